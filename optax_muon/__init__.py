@@ -1,0 +1,40 @@
+"""optax_muon: Muon for JAX as composable optax transformations."""
+
+from optax.contrib import MuonDimensionNumbers
+
+from optax_muon.alias import muon
+from optax_muon.alias import scale_by_muon
+from optax_muon.coefficients import COEFFICIENT_SETS
+from optax_muon.coefficients import coefficient_schedule
+from optax_muon.diagnostics import orthogonality_error
+from optax_muon.diagnostics import singular_value_spread
+from optax_muon.diagnostics import update_rms
+from optax_muon.labels import default_labels
+from optax_muon.layout import SplitQKV
+from optax_muon.momentum import momentum
+from optax_muon.newton_schulz import newton_schulz
+from optax_muon.orthogonalize import orthogonalize
+from optax_muon.scaling import adamw_rms_match_factor
+from optax_muon.scaling import scale_by_shape
+from optax_muon.scaling import scale_factor
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "COEFFICIENT_SETS",
+    "MuonDimensionNumbers",
+    "SplitQKV",
+    "adamw_rms_match_factor",
+    "coefficient_schedule",
+    "default_labels",
+    "momentum",
+    "muon",
+    "newton_schulz",
+    "orthogonality_error",
+    "orthogonalize",
+    "scale_by_muon",
+    "scale_by_shape",
+    "scale_factor",
+    "singular_value_spread",
+    "update_rms",
+)

@@ -1,0 +1,66 @@
+"""Argument checks that read concrete values and let traced ones through.
+
+``optax.inject_hyperparams`` turns every numeric argument into an array that is
+traced inside ``jit``; such a value cannot be checked, only a concrete one can.
+"""
+
+import numbers
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def is_traced(value: Any) -> bool:
+  return isinstance(value, jax.core.Tracer)
+
+
+def _as_number(name: str, value: Any) -> float:
+  try:
+    array = np.asarray(value)
+  except Exception as error:  # pylint: disable=broad-except
+    raise TypeError(f"{name} must be a number, got {value!r}") from error
+  if array.shape != () or not np.issubdtype(array.dtype, np.number):
+    raise TypeError(f"{name} must be a scalar number, got {value!r}")
+  return float(array)
+
+
+def check_range(name: str, value: Any, low: float, high: float, *,
+                include_high: bool = False, allow_none: bool = False) -> None:
+  """Raises ValueError unless ``low <= value < high`` (``<=`` if included)."""
+  if value is None and allow_none:
+    return
+  if is_traced(value):
+    return
+  number = _as_number(name, value)
+  below_high = number <= high if include_high else number < high
+  if not (low <= number and below_high):
+    bracket = "]" if include_high else ")"
+    raise ValueError(f"{name} must be in [{low}, {high}{bracket}, got {value!r}")
+
+
+def check_int(name: str, value: Any, *, minimum: int) -> None:
+  """Raises unless ``value`` is an integer ``>= minimum`` (traced: accepted)."""
+  if is_traced(value):
+    return
+  if isinstance(value, bool) or not (
+      isinstance(value, numbers.Integral) or
+      (hasattr(value, "dtype") and np.issubdtype(value.dtype, np.integer)
+       and np.ndim(value) == 0)):
+    raise TypeError(f"{name} must be an integer >= {minimum}, got {value!r}")
+  if int(value) < minimum:
+    raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices) -> None:
+  if not isinstance(value, str) or value not in choices:
+    raise ValueError(
+        f"{name}={value!r} is not accepted; accepted values: {list(choices)}")
+
+
+def check_sharding(sharding: Any) -> None:
+  """Only ``None`` until tensor-parallel execution lands."""
+  if sharding is not None:
+    raise ValueError(
+        f"sharding={sharding!r} is not accepted yet; accepted values: [None] "
+        "(tensor-parallel execution is not part of this release)")

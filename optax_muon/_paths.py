@@ -1,0 +1,73 @@
+"""Per-leaf settings looked up by parameter path.
+
+``optax.partition`` hands each inner transform the params with the other
+group's leaves masked out, so a settings tree shaped like the full params no
+longer matches the tree a transform sees. Looking settings up by path (the
+longest matching prefix) works on both, and on ``flax.nnx.State`` too.
+"""
+
+import re
+from typing import Any, Callable, Iterable
+
+import jax
+
+Path = tuple[str, ...]
+
+
+def key_name(key: Any) -> str:
+  for attribute in ("key", "name", "idx"):
+    if hasattr(key, attribute):
+      return str(getattr(key, attribute))
+  return str(key)
+
+
+def path_names(path: Iterable[Any]) -> Path:
+  return tuple(key_name(k) for k in path)
+
+
+def path_string(path: Path) -> str:
+  return "/".join(path)
+
+
+def leaves_with_paths(tree, is_leaf: Callable[[Any], bool] | None = None):
+  """``[(path_names, leaf)]`` and the treedef, in ``jax.tree`` order."""
+  pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+  return [(path_names(p), leaf) for p, leaf in pairs], treedef
+
+
+class PathLookup:
+  """Per-leaf settings given once for all, as a tree, or as a callable.
+
+  ``single_type`` values apply to every leaf; a tree (a prefix of the params
+  allowed) is read by path; a callable is called on the tree a transform sees.
+  Leaves the tree does not name get ``default``.
+  """
+
+  def __init__(self, spec, single_type: type | tuple[type, ...], default=None):
+    self._spec = spec
+    self._single_type = single_type
+    self._default = default
+
+  def resolve(self, tree) -> Callable[[Path], Any]:
+    spec = self._spec(tree) if callable(self._spec) and not isinstance(
+        self._spec, self._single_type) else self._spec
+    if spec is None or isinstance(spec, self._single_type):
+      value = self._default if spec is None else spec
+      return lambda path: value
+    is_leaf = lambda x: x is None or isinstance(x, self._single_type)
+    table = dict(leaves_with_paths(spec, is_leaf=is_leaf)[0])
+
+    def lookup(path: Path):
+      for end in range(len(path), -1, -1):
+        if path[:end] in table:
+          value = table[path[:end]]
+          return self._default if value is None else value
+      return self._default
+
+    return lookup
+
+
+def matches(patterns: Iterable[str], path: Path) -> bool:
+  """Whether any regex in ``patterns`` is found in the lower-cased path."""
+  text = path_string(path).lower()
+  return any(re.search(p, text) for p in patterns)

@@ -1,0 +1,201 @@
+"""The ready-made chains: ``scale_by_muon`` and ``muon``."""
+
+import logging
+
+import jax
+import numpy as np
+import optax
+
+from optax_muon import _checks
+from optax_muon import _paths
+from optax_muon import labels as labels_lib
+from optax_muon import momentum as momentum_lib
+from optax_muon import orthogonalize as orthogonalize_lib
+from optax_muon import scaling
+
+SCALAR_OPTIMIZERS = ("adam", "lion")
+_logger = logging.getLogger("optax_muon")
+_logged_factors: set[float] = set()
+
+
+def resolve_extra_scale_factor(extra_scale_factor, match_adamw_update_rms: bool,
+                               adamw_beta1):
+  """The factor applied after the shape scale (see ``scale_by_muon``).
+
+  Raises:
+    ValueError: both ``match_adamw_update_rms`` and ``extra_scale_factor`` set.
+  """
+  if not isinstance(match_adamw_update_rms, bool):
+    raise TypeError("match_adamw_update_rms must be a bool, got "
+                    f"{match_adamw_update_rms!r}")
+  if match_adamw_update_rms:
+    if extra_scale_factor is not None:
+      raise ValueError(
+          "match_adamw_update_rms=True derives extra_scale_factor from AdamW's "
+          f"beta1, but extra_scale_factor={extra_scale_factor!r} was also set; "
+          "set exactly one of them")
+    factor = scaling.adamw_rms_match_factor(adamw_beta1)
+    if not _checks.is_traced(factor) and factor not in _logged_factors and (
+        jax.process_index() == 0):
+      _logged_factors.add(factor)
+      _logger.info("match_adamw_update_rms: extra_scale_factor resolved to "
+                   "%.6f from adamw beta1=%s", factor, float(np.asarray(adamw_beta1)))
+    return factor
+  if extra_scale_factor is None:
+    return 1.0
+  _checks.check_range("extra_scale_factor", extra_scale_factor, 0.0, np.inf)
+  return extra_scale_factor
+
+
+def scale_by_muon(*, beta=0.95, nesterov: bool = True,
+                  momentum_style: str = "ema", mu_dtype=None,
+                  coefficients="quintic", steps=5, precision: str = "highest",
+                  method: str = "standard", scale_mode: str = "spectral",
+                  extra_scale_factor=None, match_adamw_update_rms: bool = False,
+                  adamw_beta1=0.9, dimension_numbers=None, split_qkv=None,
+                  sharding=None) -> optax.GradientTransformation:
+  r"""Muon's direction: momentum, orthogonalized, scaled by shape.
+
+  For each matrix ``G`` (``fan_in × fan_out``) of each leaf::
+
+    u = momentum(g)                         # see momentum()
+    O = newton_schulz(u) ≈ U Vᵀ             # see orthogonalize()
+    update = scale_factor(fan_out, fan_in, scale_mode) · extra · O
+
+  with ``extra = extra_scale_factor`` (default 1.0) or, when
+  ``match_adamw_update_rms``, ``√((1 − β₁)/(1 + β₁))`` from ``adamw_beta1``.
+  This is ``optax.chain(momentum, orthogonalize, scale_by_shape,
+  optax.scale(extra))``; add weight decay and the learning rate (``muon``).
+
+  Args:
+    beta: momentum coefficient in ``[0, 1)``.
+    nesterov: Nesterov momentum.
+    momentum_style: ``"ema"`` or ``"sgd"``.
+    mu_dtype: momentum dtype (``None``: the param's).
+    coefficients: Newton–Schulz schedule name or list of ``(a, b, c)``.
+    steps: Newton–Schulz steps.
+    precision: ``"highest"``, ``"high"`` or ``"medium"``.
+    method: ``"standard"``.
+    scale_mode: ``"spectral"``, ``"shape_scaling"`` or ``"unit_rms_norm"``.
+    extra_scale_factor: factor after the shape scale; default 1.0.
+    match_adamw_update_rms: derive the factor from ``adamw_beta1`` instead.
+    adamw_beta1: AdamW's β₁ for ``match_adamw_update_rms``.
+    dimension_numbers: ``MuonDimensionNumbers``, a tree of them or a callable.
+    split_qkv: ``SplitQKV``, a tree of them or a callable.
+    sharding: ``None`` (reserved for tensor-parallel execution).
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  References:
+    Jordan et al., `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024
+
+    Liu et al., `Muon is Scalable for LLM Training
+    <https://arxiv.org/abs/2502.16982>`_, 2025
+  """
+  extra = resolve_extra_scale_factor(extra_scale_factor, match_adamw_update_rms,
+                                     adamw_beta1)
+  layout_args = dict(dimension_numbers=dimension_numbers, split_qkv=split_qkv,
+                     sharding=sharding)
+  return optax.chain(
+      momentum_lib.momentum(beta, nesterov=nesterov, style=momentum_style,
+                            dtype=mu_dtype),
+      orthogonalize_lib.orthogonalize(coefficients=coefficients, steps=steps,
+                                      precision=precision, method=method,
+                                      **layout_args),
+      scaling.scale_by_shape(scale_mode, **layout_args),
+      optax.scale(extra),
+  )
+
+
+def _mask_by_path(mask):
+  """A weight-decay mask tree made readable on the partitioned (masked) tree."""
+  if mask is None or callable(mask):
+    return mask
+  lookup = _paths.PathLookup(mask, bool, default=False)
+
+  def resolved(params):
+    of = lookup.resolve(params)
+    leaves, treedef = _paths.leaves_with_paths(params)
+    return jax.tree.unflatten(treedef, [bool(of(path)) for path, _ in leaves])
+
+  return resolved
+
+
+def _check_learning_rate(name, value):
+  if value is not None and not callable(value):
+    _checks.check_range(name, value, 0.0, np.inf)
+
+
+def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
+         momentum_style: str = "ema", mu_dtype=None, coefficients="quintic",
+         steps=5, precision: str = "highest", method: str = "standard",
+         scale_mode: str = "spectral", extra_scale_factor=None,
+         match_adamw_update_rms: bool = False, dimension_numbers=None,
+         split_qkv=None, sharding=None, weight_decay=0.0,
+         weight_decay_mask=None, labels=None, scalar_optimizer: str = "adam",
+         adam_learning_rate=None, adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,
+         adam_weight_decay=0.0,
+         adam_weight_decay_mask=None) -> optax.GradientTransformation:
+  r"""Muon for the matrices, AdamW (or Lion) for everything else.
+
+  Muon leaves: ``p ← p − lr · (scale_by_muon(g) + weight_decay · p)``
+  (decoupled decay, multiplied by the learning rate as in Megatron-Core).
+  The other leaves get ``optax.adamw`` (or ``optax.lion``) with their own
+  learning rate, betas, eps, weight decay and mask. Routing is ``labels``:
+  ``None`` uses ``default_labels``; a tree or callable of ``"muon"`` /
+  ``"adam"`` overrides it.
+
+  Args:
+    learning_rate: Muon's learning rate, a float or an optax schedule.
+    beta, nesterov, momentum_style, mu_dtype, coefficients, steps, precision,
+      method, scale_mode, extra_scale_factor, dimension_numbers, split_qkv,
+      sharding: see ``scale_by_muon``.
+    match_adamw_update_rms: scale Muon updates to AdamW's RMS using
+      ``adam_b1``, so that ``learning_rate`` can be AdamW's.
+    weight_decay: decoupled weight decay of the Muon leaves.
+    weight_decay_mask: tree (by path) or callable of bools for it.
+    labels: ``None``, a tree or a callable of ``"muon"`` / ``"adam"``.
+    scalar_optimizer: ``"adam"`` (AdamW) or ``"lion"`` for the other leaves.
+    adam_learning_rate: their learning rate (default: ``learning_rate``).
+    adam_b1, adam_b2, adam_eps: their betas and eps.
+    adam_weight_decay: their decoupled weight decay.
+    adam_weight_decay_mask: tree (by path) or callable of bools for it.
+
+  Returns:
+    An ``optax.GradientTransformation`` (``optax.partition`` of the two).
+
+  References:
+    Jordan et al., `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024
+  """
+  _check_learning_rate("learning_rate", learning_rate)
+  _check_learning_rate("adam_learning_rate", adam_learning_rate)
+  _checks.check_choice("scalar_optimizer", scalar_optimizer, SCALAR_OPTIMIZERS)
+  _checks.check_range("weight_decay", weight_decay, 0.0, np.inf)
+  _checks.check_range("adam_weight_decay", adam_weight_decay, 0.0, np.inf)
+  _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
+  _checks.check_range("adam_b2", adam_b2, 0.0, 1.0)
+  _checks.check_range("adam_eps", adam_eps, 0.0, np.inf)
+  muon_chain = optax.chain(
+      scale_by_muon(
+          beta=beta, nesterov=nesterov, momentum_style=momentum_style,
+          mu_dtype=mu_dtype, coefficients=coefficients, steps=steps,
+          precision=precision, method=method, scale_mode=scale_mode,
+          extra_scale_factor=extra_scale_factor,
+          match_adamw_update_rms=match_adamw_update_rms, adamw_beta1=adam_b1,
+          dimension_numbers=dimension_numbers, split_qkv=split_qkv,
+          sharding=sharding),
+      optax.add_decayed_weights(weight_decay, _mask_by_path(weight_decay_mask)),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+  scalar_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
+  scalar_mask = _mask_by_path(adam_weight_decay_mask)
+  if scalar_optimizer == "adam":
+    scalar_chain = optax.adamw(scalar_lr, b1=adam_b1, b2=adam_b2, eps=adam_eps,
+                               weight_decay=adam_weight_decay, mask=scalar_mask)
+  else:
+    scalar_chain = optax.lion(scalar_lr, b1=adam_b1, b2=adam_b2,
+                              weight_decay=adam_weight_decay, mask=scalar_mask)
+  return optax.partition(
+      {labels_lib.MUON: muon_chain, labels_lib.ADAM: scalar_chain},
+      labels_lib.label_fn(labels))

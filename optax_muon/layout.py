@@ -1,0 +1,229 @@
+"""How a leaf is viewed as a batch of matrices.
+
+A Muon leaf of any rank is seen as ``(batch, fan_in, fan_out)`` through
+``optax.contrib.MuonDimensionNumbers`` (reduction axes = fan-in, output axes =
+fan-out, every other axis a batch axis). A fused QKV kernel is further split
+along fan-out into its Q, K and V matrices (``SplitQKV``), each one a matrix
+of its own for orthogonalization and scaling.
+"""
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from optax.contrib import MuonDimensionNumbers
+
+from optax_muon import _paths
+
+QKV_LAYOUTS = ("grouped", "concatenated")
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitQKV:
+  """Split a fused QKV kernel ``(in, G·(q + k + v))`` into Q, K and V.
+
+  Q spans all heads (``num_heads · head_dim`` wide), K and V all query groups
+  (``num_kv_heads · head_dim`` each), as Megatron-Core splits them: whole
+  matrices, not per head.
+
+  Attributes:
+    num_heads: query heads ``H``.
+    num_kv_heads: key/value heads, the query groups ``G`` (divides ``H``).
+    head_dim: width of one head.
+    layout: ``"grouped"`` (Megatron: per group ``[q_g | k_g | v_g]``, groups
+      one after the other) or ``"concatenated"`` (``[Q | K | V]``).
+    pattern: regex found in a leaf's path (lower-cased, ``/``-joined) that
+      marks it as a fused QKV kernel, when ``SplitQKV`` is given for all leaves.
+  """
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  layout: str = "grouped"
+  pattern: str = "qkv"
+
+  def __post_init__(self):
+    for name in ("num_heads", "num_kv_heads", "head_dim"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"split_qkv.{name} must be a positive int, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"split_qkv.num_kv_heads={self.num_kv_heads} must divide "
+          f"split_qkv.num_heads={self.num_heads}")
+    if self.layout not in QKV_LAYOUTS:
+      raise ValueError(f"split_qkv.layout={self.layout!r} is not accepted; "
+                       f"accepted values: {list(QKV_LAYOUTS)}")
+
+  @property
+  def groups_and_widths(self) -> tuple[int, tuple[int, int, int]]:
+    """The fan-out axis as ``groups × (q, k, v)`` widths."""
+    q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    if self.layout == "concatenated":
+      return 1, (q, kv, kv)
+    group_q = self.num_heads // self.num_kv_heads * self.head_dim
+    return self.num_kv_heads, (group_q, self.head_dim, self.head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixView:
+  """A leaf seen as ``(batch, fan_in, fan_out)``, maybe split along fan-out."""
+  shape: tuple[int, ...]
+  batch_axes: tuple[int, ...]
+  reduction_axes: tuple[int, ...]
+  output_axes: tuple[int, ...]
+  groups: int = 1
+  widths: tuple[int, ...] = ()
+
+  @property
+  def permutation(self) -> tuple[int, ...]:
+    return self.batch_axes + self.reduction_axes + self.output_axes
+
+  @property
+  def batch_shape(self) -> tuple[int, ...]:
+    return tuple(self.shape[a] for a in self.batch_axes)
+
+  @property
+  def fan_in(self) -> int:
+    return math.prod(self.shape[a] for a in self.reduction_axes)
+
+  @property
+  def fan_out(self) -> int:
+    return math.prod(self.shape[a] for a in self.output_axes)
+
+  @property
+  def matrix_shapes(self) -> list[tuple[int, int]]:
+    """``(fan_in, fan_out)`` of each matrix piece."""
+    widths = self.widths or (self.fan_out,)
+    return [(self.fan_in, self.groups * w) for w in widths]
+
+  def to_matrices(self, x: jax.Array) -> list[jax.Array]:
+    """The leaf as pieces of shape ``(batch, fan_in, fan_out_i)``."""
+    batch = math.prod(self.batch_shape)
+    flat = jnp.transpose(x, self.permutation).reshape(
+        batch, self.fan_in, self.fan_out)
+    if not self.widths:
+      return [flat]
+    grouped = flat.reshape(batch, self.fan_in, self.groups, sum(self.widths))
+    starts = [sum(self.widths[:i]) for i in range(len(self.widths))]
+    return [grouped[..., s:s + w].reshape(batch, self.fan_in, self.groups * w)
+            for s, w in zip(starts, self.widths)]
+
+  def from_matrices(self, pieces: Sequence[jax.Array]) -> jax.Array:
+    """Inverse of ``to_matrices``."""
+    batch = math.prod(self.batch_shape)
+    if self.widths:
+      flat = jnp.concatenate(
+          [p.reshape(batch, self.fan_in, self.groups, w)
+           for p, w in zip(pieces, self.widths)], axis=-1).reshape(
+               batch, self.fan_in, self.fan_out)
+    else:
+      (flat,) = pieces
+    permuted_shape = tuple(self.shape[a] for a in self.permutation)
+    inverse = tuple(sorted(range(len(self.shape)),
+                           key=lambda i: self.permutation[i]))
+    return jnp.transpose(flat.reshape(permuted_shape), inverse)
+
+
+def _normalize_axes(name: str, axes, ndim: int, where: str) -> tuple[int, ...]:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  if not axes:
+    raise ValueError(f"dimension_numbers.{name} of {where} is empty")
+  for axis in axes:
+    if isinstance(axis, bool) or not isinstance(axis, int) or not (
+        -ndim <= axis < ndim):
+      raise ValueError(
+          f"dimension_numbers.{name}={axes} of {where} names an axis outside "
+          f"the array's {ndim} axes (accepted: ints in [{-ndim}, {ndim}))")
+  normalized = tuple(a % ndim for a in axes)
+  if len(set(normalized)) != len(normalized):
+    raise ValueError(f"dimension_numbers.{name}={axes} of {where} repeats an axis")
+  return normalized
+
+
+def matrix_view(shape: Sequence[int],
+                dimension_numbers: MuonDimensionNumbers | None = None,
+                split_qkv: SplitQKV | None = None,
+                where: str = "a leaf") -> MatrixView:
+  """The ``MatrixView`` of a leaf of ``shape``.
+
+  Args:
+    shape: the leaf's shape, at least 2 axes.
+    dimension_numbers: which axes are fan-in and fan-out; ``None``: the last
+      two axes are ``(in, out)`` (Flax kernels) and the rest batch axes.
+    split_qkv: split fan-out into Q, K and V.
+    where: how errors name the leaf (its path).
+
+  Returns:
+    The view.
+
+  Raises:
+    ValueError: a leaf with fewer than 2 axes, dimension numbers that overlap
+      or miss the array, or a fused QKV width that the split does not give.
+  """
+  shape = tuple(int(d) for d in shape)
+  ndim = len(shape)
+  if ndim < 2:
+    raise ValueError(
+        f"{where} of shape {shape} has fewer than 2 axes and cannot be a Muon "
+        "matrix; route it to the scalar optimizer (labels=...)")
+  if dimension_numbers is None:
+    reduction, output = (ndim - 2,), (ndim - 1,)
+  elif isinstance(dimension_numbers, MuonDimensionNumbers):
+    reduction = _normalize_axes("reduction_axis",
+                                dimension_numbers.reduction_axis, ndim, where)
+    output = _normalize_axes("output_axis", dimension_numbers.output_axis,
+                             ndim, where)
+    if set(reduction) & set(output):
+      raise ValueError(
+          f"dimension_numbers of {where}: reduction_axis {reduction} and "
+          f"output_axis {output} overlap; they must be disjoint")
+  else:
+    raise TypeError(
+        f"dimension_numbers of {where} must be optax.contrib."
+        f"MuonDimensionNumbers or None, got {dimension_numbers!r}")
+  batch = tuple(a for a in range(ndim) if a not in reduction + output)
+  view = MatrixView(shape, batch, reduction, output)
+  if split_qkv is None:
+    return view
+  groups, widths = split_qkv.groups_and_widths
+  if view.fan_out != groups * sum(widths):
+    raise ValueError(
+        f"split_qkv={split_qkv} expects a fused QKV fan-out of "
+        f"{groups * sum(widths)} (= {groups} × {sum(widths)}), but {where} "
+        f"of shape {shape} has fan-out {view.fan_out}")
+  return dataclasses.replace(view, groups=groups, widths=widths)
+
+
+def view_resolver(dimension_numbers=None, split_qkv=None):
+  """A function ``tree -> [(path, leaf, MatrixView)]`` for the given settings.
+
+  Args:
+    dimension_numbers: ``None``, one ``MuonDimensionNumbers`` for all leaves,
+      a tree of them (``None`` entries: the default view), or a callable of
+      the params returning such a tree.
+    split_qkv: ``None``, one ``SplitQKV`` (applied to leaves whose path matches
+      its ``pattern``), a tree of ``SplitQKV``/``None``, or a callable.
+
+  Returns:
+    The resolver; it raises ``ValueError`` for a leaf that cannot be viewed.
+  """
+  dims_lookup = _paths.PathLookup(dimension_numbers, MuonDimensionNumbers)
+  split_lookup = _paths.PathLookup(split_qkv, SplitQKV)
+  split_is_pattern = isinstance(split_qkv, SplitQKV)
+
+  def resolve(tree):
+    leaves, _ = _paths.leaves_with_paths(tree)
+    dims_of, split_of = dims_lookup.resolve(tree), split_lookup.resolve(tree)
+    views = []
+    for path, leaf in leaves:
+      split = split_of(path)
+      if split_is_pattern and not _paths.matches([split.pattern], path):
+        split = None
+      where = f"leaf {_paths.path_string(path) or '<root>'}"
+      views.append((path, leaf, matrix_view(jnp.shape(leaf), dims_of(path),
+                                            split, where)))
+    return views
+
+  return resolve

@@ -1,0 +1,76 @@
+"""The momentum transform of Muon (no bias correction, no step count)."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_muon import _checks
+
+MOMENTUM_STYLES = ("ema", "sgd")
+
+
+class MomentumState(NamedTuple):
+  """The momentum buffer, one per leaf."""
+  mu: optax.Updates
+
+
+def _canonical_dtype(dtype):
+  if dtype is None:
+    return None
+  try:
+    return jnp.dtype(dtype)
+  except TypeError as error:
+    raise ValueError(f"dtype={dtype!r} is not a dtype; accepted: None or a "
+                     "floating dtype such as 'float32'") from error
+
+
+def momentum(beta=0.95, *, nesterov: bool = True, style: str = "ema",
+             dtype=None) -> optax.GradientTransformation:
+  r"""Accumulates gradients into a momentum buffer and returns its update.
+
+  ``style="ema"`` (Megatron-Core, emerging-optimizers)::
+
+    m ← β m + (1 − β) g;   u = (1 − β) g + β m  (Nesterov)  or  u = m
+
+  ``style="sgd"`` (Moonlight, Dion)::
+
+    m ← β m + g;           u = g + β m          (Nesterov)  or  u = m
+
+  Args:
+    beta: momentum coefficient in ``[0, 1)``; may be traced.
+    nesterov: use the Nesterov look-ahead.
+    style: ``"ema"`` or ``"sgd"``.
+    dtype: dtype of the buffer; ``None`` keeps each param's dtype (use
+      ``"float32"`` for bf16 params).
+
+  Returns:
+    An ``optax.GradientTransformation`` with state ``MomentumState``.
+
+  References:
+    Jordan et al., `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024
+  """
+  _checks.check_range("beta", beta, 0.0, 1.0)
+  _checks.check_choice("style", style, MOMENTUM_STYLES)
+  if not isinstance(nesterov, bool):
+    raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
+  dtype = _canonical_dtype(dtype)
+  gradient_weight = (lambda: 1.0 - beta) if style == "ema" else (lambda: 1.0)
+
+  def init_fn(params):
+    return MomentumState(mu=jax.tree.map(
+        lambda p: jnp.zeros(jnp.shape(p), dtype or jnp.result_type(p)), params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    weight = gradient_weight()
+    mu = jax.tree.map(lambda g, m: beta * m + weight * g, updates, state.mu)
+    if nesterov:
+      out = jax.tree.map(lambda g, m: weight * g + beta * m, updates, mu)
+    else:
+      out = mu
+    mu = jax.tree.map(lambda m, old: m.astype(old.dtype), mu, state.mu)
+    return out, MomentumState(mu=mu)
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,102 @@
+"""The Newton–Schulz orthogonalization kernel, batched over leading axes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_muon import _checks
+from optax_muon import coefficients as coefficients_lib
+
+PRECISIONS = ("highest", "high", "medium")
+
+
+def matmul(a: jax.Array, b: jax.Array, precision: str) -> jax.Array:
+  """``a @ b`` over leading batch axes, at one of ``PRECISIONS``.
+
+  ``"highest"``: fp32 at ``Precision.HIGHEST``; ``"high"``: fp32 at the
+  backend's default (TF32 on GPUs); ``"medium"``: bf16 operands, fp32
+  accumulation, the product rounded to bf16 (Megatron-Core's default).
+  """
+  if precision == "medium":
+    product = jnp.matmul(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                         preferred_element_type=jnp.float32)
+    return product.astype(jnp.bfloat16).astype(jnp.float32)
+  level = (jax.lax.Precision.HIGHEST if precision == "highest"
+           else jax.lax.Precision.DEFAULT)
+  return jnp.matmul(a, b, precision=level)
+
+
+def normalize(x: jax.Array, eps: float) -> jax.Array:
+  """``x / max(‖x‖_F, eps)`` per matrix, safe over the whole fp32 range.
+
+  Dividing by ``max|x|`` first keeps ``‖x‖²`` from overflowing (entries near
+  1e30) or underflowing (near 1e-30), so the result is scale-invariant; a zero
+  matrix stays exactly zero.
+  """
+  peak = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)
+  x = x / jnp.where(peak > 0, peak, 1.0)
+  norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
+  return x / jnp.maximum(norm, eps)
+
+
+def iterate(x: jax.Array, table: np.ndarray, mode: str, steps,
+            precision: str) -> jax.Array:
+  """Runs ``steps`` Newton–Schulz steps on wide (m ≤ n), normalized ``x``.
+
+  ``steps`` may be traced (``optax.inject_hyperparams``): the loop then has a
+  dynamic trip count and looks its coefficients up per step.
+  """
+  rows = jnp.asarray(table, jnp.float32)
+  cubic = bool(np.all(table[:, 2] == 0))
+  mT = lambda m: jnp.swapaxes(m, -1, -2)
+
+  def step(i, X):
+    a, b, c = rows[coefficients_lib.schedule_index(i, len(table), mode, jnp)]
+    A = matmul(X, mT(X), precision)
+    B = b * A if cubic else b * A + c * matmul(A, A, precision)
+    return a * X + matmul(B, X, precision)
+
+  return jax.lax.fori_loop(0, steps, step, x)
+
+
+def newton_schulz(x: jax.Array, *, coefficients="quintic", steps=5,
+                  precision: str = "highest", eps: float = 1e-30) -> jax.Array:
+  r"""Approximately orthogonalizes each matrix of ``x`` (its polar factor).
+
+  For each ``m × n`` matrix ``G`` (the last two axes; leading axes are
+  independent matrices), on the wide orientation (``Gᵀ`` when ``m > n``)::
+
+    X = G / max(‖G‖_F, eps)
+    for (a, b, c) in schedule:  A = X Xᵀ;  B = b A + c A A;  X = a X + B X
+
+  which drives every singular value of ``X`` towards 1, so ``X ≈ U Vᵀ`` for
+  ``G = U Σ Vᵀ``. The iteration runs in fp32 whatever ``x.dtype``.
+
+  Args:
+    x: array of shape ``(..., m, n)``.
+    coefficients: a name in ``COEFFICIENT_SETS`` or a list of ``(a, b, c)``.
+    steps: number of steps (an int ≥ 1; may be traced).
+    precision: ``"highest"``, ``"high"`` or ``"medium"`` (see ``matmul``).
+    eps: floor of the Frobenius norm, reached only by the zero matrix.
+
+  Returns:
+    An array of ``x.shape`` and ``x.dtype``.
+
+  References:
+    Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+    <https://kellerjordan.github.io/posts/muon/>`_, 2024
+  """
+  table, mode = coefficients_lib.resolve_coefficients(coefficients)
+  _checks.check_int("steps", steps, minimum=1)
+  _checks.check_choice("precision", precision, PRECISIONS)
+  _checks.check_range("eps", eps, 0.0, np.inf)
+  if x.ndim < 2:
+    raise ValueError(f"newton_schulz needs x of shape (..., m, n), got {x.shape}")
+  tall = x.shape[-2] > x.shape[-1]
+  X = x.astype(jnp.float32)
+  if tall:
+    X = jnp.swapaxes(X, -1, -2)
+  X = iterate(normalize(X, eps), table, mode, steps, precision)
+  if tall:
+    X = jnp.swapaxes(X, -1, -2)
+  return X.astype(x.dtype)

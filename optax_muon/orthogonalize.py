@@ -1,0 +1,97 @@
+"""The orthogonalize transform: Newton–Schulz on every matrix of the updates.
+
+Leaves are viewed as batches of matrices (``layout``), every matrix is turned
+to its wide orientation, matrices of the same shape are stacked into one array
+and orthogonalized by one batched ``newton_schulz`` call, then put back.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_muon import _checks
+from optax_muon import coefficients as coefficients_lib
+from optax_muon import layout
+from optax_muon import newton_schulz as ns
+
+METHODS = ("standard",)
+
+
+def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
+                           mode: str, steps, precision: str,
+                           eps) -> list[jax.Array]:
+  """NS of each ``(batch, m, n)`` array, one batched call per wide shape."""
+  wide, groups = [], {}
+  for index, matrix in enumerate(matrices):
+    tall = matrix.shape[-2] > matrix.shape[-1]
+    matrix = matrix.astype(jnp.float32)
+    wide.append(jnp.swapaxes(matrix, -1, -2) if tall else matrix)
+    groups.setdefault(wide[-1].shape[-2:], []).append(index)
+  results = [None] * len(matrices)
+  for members in groups.values():
+    stack = jnp.concatenate([wide[i] for i in members], axis=0)
+    stack = ns.iterate(ns.normalize(stack, eps), table, mode, steps, precision)
+    offsets = np.cumsum([0] + [wide[i].shape[0] for i in members])
+    for i, start, stop in zip(members, offsets[:-1], offsets[1:]):
+      out = stack[start:stop]
+      if matrices[i].shape[-2] > matrices[i].shape[-1]:
+        out = jnp.swapaxes(out, -1, -2)
+      results[i] = out.astype(matrices[i].dtype)
+  return results
+
+
+def orthogonalize(*, coefficients="quintic", steps=5,
+                  precision: str = "highest", method: str = "standard",
+                  dimension_numbers=None, split_qkv=None, sharding=None,
+                  eps=1e-30) -> optax.GradientTransformation:
+  r"""Replaces each matrix of the updates by its Newton–Schulz polar factor.
+
+  Each leaf is viewed as a batch of matrices ``G`` (``fan_in × fan_out``; see
+  ``layout.matrix_view``) and every ``G`` becomes ``newton_schulz(G) ≈ U Vᵀ``
+  for ``G = U Σ Vᵀ``. Same-shape matrices (after turning each to its wide
+  orientation) run as one batched computation; the result equals doing them
+  one at a time.
+
+  Args:
+    coefficients: a name in ``COEFFICIENT_SETS`` or a list of ``(a, b, c)``.
+    steps: Newton–Schulz steps, an int ≥ 1 (may be traced).
+    precision: ``"highest"``, ``"high"`` or ``"medium"``.
+    method: ``"standard"``.
+    dimension_numbers: ``None``, an ``optax.contrib.MuonDimensionNumbers``
+      for every leaf, a tree of them, or a callable of the params.
+    split_qkv: ``None``, a ``SplitQKV``, a tree of them or a callable.
+    sharding: ``None`` (reserved for tensor-parallel execution).
+    eps: floor of the Frobenius norm used to normalize.
+
+  Returns:
+    A stateless ``optax.GradientTransformation``.
+
+  References:
+    Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+    <https://kellerjordan.github.io/posts/muon/>`_, 2024
+  """
+  table, mode = coefficients_lib.resolve_coefficients(coefficients)
+  _checks.check_int("steps", steps, minimum=1)
+  _checks.check_choice("precision", precision, ns.PRECISIONS)
+  _checks.check_choice("method", method, METHODS)
+  _checks.check_range("eps", eps, 0.0, np.inf)
+  _checks.check_sharding(sharding)
+  resolve_views = layout.view_resolver(dimension_numbers, split_qkv)
+
+  def init_fn(params):
+    resolve_views(params)  # bad dimension numbers or splits raise here
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    del params
+    views = resolve_views(updates)
+    pieces = [view.to_matrices(leaf) for _, leaf, view in views]
+    flat = [m for leaf_pieces in pieces for m in leaf_pieces]
+    flat = iter(_orthogonalize_grouped(flat, table, mode, steps, precision, eps))
+    new_leaves = [view.from_matrices([next(flat) for _ in leaf_pieces])
+                  for (_, _, view), leaf_pieces in zip(views, pieces)]
+    treedef = jax.tree.structure(updates)
+    return jax.tree.unflatten(treedef, new_leaves), state
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,103 @@
+"""Shape scale modes and AdamW-RMS matching."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_muon import _checks
+from optax_muon import layout
+
+SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+
+
+def scale_factor(fan_out: int, fan_in: int, mode: str = "spectral") -> float:
+  """The factor an orthogonalized ``fan_in × fan_out`` update is scaled by.
+
+  * ``"spectral"``: ``√max(fan_out, fan_in)`` (Megatron-Core default; with
+    ``extra_scale_factor`` 0.2 the update RMS is ≈ 0.2, Moonlight);
+  * ``"shape_scaling"``: ``√max(1, fan_out / fan_in)`` (Keller Jordan);
+  * ``"unit_rms_norm"``: ``√(fan_out / fan_in)`` (Bernstein's RMS→RMS norm).
+
+  Args:
+    fan_out: output dimension of the matrix.
+    fan_in: input (reduction) dimension.
+    mode: one of ``SCALE_MODES``.
+
+  Returns:
+    The factor, a Python float.
+  """
+  _checks.check_choice("scale_mode", mode, SCALE_MODES)
+  for name, value in (("fan_out", fan_out), ("fan_in", fan_in)):
+    _checks.check_int(name, value, minimum=1)
+  if mode == "spectral":
+    return math.sqrt(max(fan_out, fan_in))
+  if mode == "shape_scaling":
+    return math.sqrt(max(1.0, fan_out / fan_in))
+  return math.sqrt(fan_out / fan_in)
+
+
+def adamw_rms_match_factor(beta1):
+  r"""``√((1 − β₁) / (1 + β₁))``: the RMS of an AdamW update at steady state.
+
+  Multiplying a spectral-scaled Muon update by it makes its RMS equal AdamW's,
+  so an AdamW learning rate carries over (0.229416 at β₁ = 0.9).
+
+  Args:
+    beta1: AdamW's first-moment decay, in ``[0, 1)``; may be traced.
+
+  Returns:
+    A float, or an array when ``beta1`` is traced.
+
+  References:
+    Liu et al., `Muon is Scalable for LLM Training
+    <https://arxiv.org/abs/2502.16982>`_, 2025
+  """
+  _checks.check_range("adamw_beta1", beta1, 0.0, 1.0)
+  if _checks.is_traced(beta1):
+    return jnp.sqrt((1 - beta1) / (1 + beta1))
+  beta1 = float(np.asarray(beta1))
+  return math.sqrt((1 - beta1) / (1 + beta1))
+
+
+def scale_by_shape(mode: str = "spectral", *, dimension_numbers=None,
+                   split_qkv=None, sharding=None) -> optax.GradientTransformation:
+  r"""Scales each matrix of the updates by ``scale_factor`` of its shape.
+
+  Stacked leaves are scaled per matrix and split QKV pieces each by their own
+  shape (see ``layout.matrix_view``).
+
+  Args:
+    mode: ``"spectral"``, ``"shape_scaling"`` or ``"unit_rms_norm"``.
+    dimension_numbers: as in ``orthogonalize``.
+    split_qkv: as in ``orthogonalize``.
+    sharding: ``None`` (reserved for tensor-parallel execution).
+
+  Returns:
+    A stateless ``optax.GradientTransformation``.
+  """
+  _checks.check_choice("scale_mode", mode, SCALE_MODES)
+  _checks.check_sharding(sharding)
+  resolve_views = layout.view_resolver(dimension_numbers, split_qkv)
+
+  def init_fn(params):
+    resolve_views(params)
+    return optax.EmptyState()
+
+  def scale_leaf(leaf, view):
+    factors = [scale_factor(fan_out, fan_in, mode)
+               for fan_in, fan_out in view.matrix_shapes]
+    if len(set(factors)) == 1:
+      return leaf * jnp.asarray(factors[0], leaf.dtype)
+    pieces = view.to_matrices(leaf)
+    return view.from_matrices([p * jnp.asarray(f, p.dtype)
+                               for p, f in zip(pieces, factors)])
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves = [scale_leaf(leaf, view) for _, leaf, view in resolve_views(updates)]
+    return jax.tree.unflatten(jax.tree.structure(updates), leaves), state
+
+  return optax.GradientTransformation(init_fn, update_fn)
