@@ -65,12 +65,14 @@ def momentum(beta=0.95, *, nesterov: bool = True, style: str = "ema",
   def update_fn(updates, state, params=None):
     del params
     weight = gradient_weight()
-    mu = jax.tree.map(lambda g, m: beta * m + weight * g, updates, state.mu)
+    # Accumulate in the buffer's dtype: bf16 grads into an fp32 buffer stay fp32.
+    grads = jax.tree.map(lambda g, m: g.astype(m.dtype), updates, state.mu)
+    mu = jax.tree.map(lambda g, m: (beta * m + weight * g).astype(m.dtype),
+                      grads, state.mu)
     if nesterov:
-      out = jax.tree.map(lambda g, m: weight * g + beta * m, updates, mu)
+      out = jax.tree.map(lambda g, m: weight * g + beta * m, grads, mu)
     else:
       out = mu
-    mu = jax.tree.map(lambda m, old: m.astype(old.dtype), mu, state.mu)
     return out, MomentumState(mu=mu)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,151 @@
+"""A small decoder-only GPT in Flax NNX.
+
+Token and position embeddings, pre-norm blocks (attention + MLP or a small
+dense mixture of experts), an optional fused QKV projection in Megatron's
+grouped layout, grouped-query attention, an optional scan over stacked layers,
+and an untied lm_head.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  vocab_size: int = 256
+  block_size: int = 128
+  n_layer: int = 4
+  n_head: int = 4
+  n_kv_head: int | None = None  # None: n_head (no grouping)
+  n_embd: int = 128
+  mlp_ratio: int = 4
+  fused_qkv: bool = True
+  scan_layers: bool = False
+  n_experts: int = 0  # 0: a plain MLP
+
+  @property
+  def head_dim(self) -> int:
+    return self.n_embd // self.n_head
+
+  @property
+  def kv_heads(self) -> int:
+    return self.n_kv_head or self.n_head
+
+  def __post_init__(self):
+    if self.n_embd % self.n_head:
+      raise ValueError(f"model.n_embd={self.n_embd} must be a multiple of "
+                       f"model.n_head={self.n_head}")
+    if self.n_head % self.kv_heads:
+      raise ValueError(f"model.n_kv_head={self.kv_heads} must divide "
+                       f"model.n_head={self.n_head}")
+
+
+def _dense(n_in, n_out, rngs, use_bias=True):
+  return nnx.Linear(n_in, n_out, use_bias=use_bias, rngs=rngs)
+
+
+class Attention(nnx.Module):
+  """Causal self-attention with grouped key/value heads."""
+
+  def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, hd = cfg.n_embd, cfg.head_dim
+    if cfg.fused_qkv:
+      # Megatron's grouped layout: per KV group [q_g | k_g | v_g].
+      self.qkv = _dense(d, (cfg.n_head + 2 * cfg.kv_heads) * hd, rngs, False)
+    else:
+      self.query = _dense(d, cfg.n_head * hd, rngs, False)
+      self.key = _dense(d, cfg.kv_heads * hd, rngs, False)
+      self.value = _dense(d, cfg.kv_heads * hd, rngs, False)
+    self.proj = _dense(cfg.n_head * hd, d, rngs, False)
+
+  def __call__(self, x):
+    cfg, (b, t, _) = self.cfg, x.shape
+    hd, groups = cfg.head_dim, cfg.kv_heads
+    if cfg.fused_qkv:
+      per_group = cfg.n_head // groups
+      qkv = self.qkv(x).reshape(b, t, groups, (per_group + 2) * hd)
+      q = qkv[..., :per_group * hd].reshape(b, t, cfg.n_head, hd)
+      k = qkv[..., per_group * hd:(per_group + 1) * hd]
+      v = qkv[..., (per_group + 1) * hd:]
+    else:
+      q = self.query(x).reshape(b, t, cfg.n_head, hd)
+      k = self.key(x).reshape(b, t, groups, hd)
+      v = self.value(x).reshape(b, t, groups, hd)
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return self.proj(out.reshape(b, t, cfg.n_head * hd))
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    self.fc = _dense(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, rngs)
+    self.proj = _dense(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd, rngs)
+
+  def __call__(self, x):
+    return self.proj(jax.nn.gelu(self.fc(x)))
+
+
+class Experts(nnx.Module):
+  """A dense mixture of experts: every expert runs, weighted by the router."""
+
+  def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    d, h, e = cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, cfg.n_experts
+    init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1,
+                                         batch_axis=(0,))
+    self.router = _dense(d, e, rngs, False)
+    self.fc = nnx.Param(init(rngs.params(), (e, d, h)))
+    self.proj = nnx.Param(init(rngs.params(), (e, h, d)))
+
+  def __call__(self, x):
+    weights = jax.nn.softmax(self.router(x), axis=-1)
+    hidden = jax.nn.gelu(jnp.einsum("btd,edh->bteh", x, self.fc[...]))
+    out = jnp.einsum("bteh,ehd->bted", hidden, self.proj[...])
+    return jnp.einsum("bted,bte->btd", out, weights)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    self.ln1 = nnx.LayerNorm(cfg.n_embd, rngs=rngs)
+    self.attn = Attention(cfg, rngs)
+    self.ln2 = nnx.LayerNorm(cfg.n_embd, rngs=rngs)
+    self.mlp = Experts(cfg, rngs) if cfg.n_experts else MLP(cfg, rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.ln1(x))
+    return x + self.mlp(self.ln2(x))
+
+
+class GPT(nnx.Module):
+  """Byte-level GPT: ``(batch, time)`` int tokens to ``(batch, time, vocab)``."""
+
+  def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.wte = nnx.Embed(cfg.vocab_size, cfg.n_embd, rngs=rngs)
+    self.wpe = nnx.Embed(cfg.block_size, cfg.n_embd, rngs=rngs)
+    if cfg.scan_layers:
+      @nnx.split_rngs(splits=cfg.n_layer)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def stacked_blocks(rngs):
+        return Block(cfg, rngs)
+      self.blocks = stacked_blocks(rngs)
+    else:
+      self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layer)])
+    self.ln_f = nnx.LayerNorm(cfg.n_embd, rngs=rngs)
+    self.lm_head = _dense(cfg.n_embd, cfg.vocab_size, rngs, False)
+
+  def __call__(self, tokens):
+    x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[-1]))
+    if self.cfg.scan_layers:
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def run(x, block):
+        return block(x)
+      x = run(x, self.blocks)
+    else:
+      for block in self.blocks:
+        x = block(x)
+    return self.lm_head(self.ln_f(x))

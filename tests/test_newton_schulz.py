@@ -1,0 +1,163 @@
+"""Newton–Schulz: schedules, accuracy against the SVD, robustness, precision."""
+
+import importlib
+
+import chex
+import hypothesis
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+import optax_muon as om
+
+# The package re-exports the function under the module's name.
+ns_lib = importlib.import_module("optax_muon.newton_schulz")
+
+
+def _gaussian(shape, seed=0):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _polar(x):
+  u, _, vt = np.linalg.svd(np.asarray(x, np.float64), full_matrices=False)
+  return u @ vt
+
+
+@pytest.mark.parametrize("name", sorted(om.COEFFICIENT_SETS))
+def test_schedules_equal_the_reference_json(name, reference_coefficients):
+  reference = reference_coefficients["sets"][name]
+  named = om.COEFFICIENT_SETS[name]
+  np.testing.assert_array_equal(np.asarray(named.tuples),
+                                np.asarray(reference["tuples"]))
+  assert named.mode == reference["mode"]
+
+
+@pytest.mark.parametrize("name", sorted(om.COEFFICIENT_SETS))
+@pytest.mark.parametrize("steps", [1, 3, 12])
+def test_coefficient_schedule_applies_the_mode(name, steps,
+                                               reference_coefficients):
+  reference = reference_coefficients["sets"][name]
+  tuples = reference["tuples"]
+  if reference["mode"] == "cycle":
+    expected = [tuples[i % len(tuples)] for i in range(steps)]
+  else:
+    expected = [tuples[min(i, len(tuples) - 1)] for i in range(steps)]
+  schedule = om.coefficient_schedule(name, steps)
+  chex.assert_shape(schedule, (steps, 3))
+  np.testing.assert_array_equal(schedule, np.asarray(expected))
+
+
+def test_custom_schedule_cycles():
+  custom = [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5)]
+  np.testing.assert_array_equal(om.coefficient_schedule(custom, 5),
+                                np.asarray(custom * 3)[:5])
+
+
+def _reference_ns(x, schedule):
+  """The iteration written out step by step in float64 from the schedule."""
+  x = np.asarray(x, np.float64)
+  tall = x.shape[0] > x.shape[1]
+  X = x.T if tall else x
+  X = X / max(np.linalg.norm(X), 1e-30)
+  for a, b, c in schedule:
+    A = X @ X.T
+    X = a * X + (b * A + c * A @ A) @ X
+  return X.T if tall else X
+
+
+@pytest.mark.parametrize("name", sorted(om.COEFFICIENT_SETS))
+def test_every_schedule_follows_its_coefficients(name):
+  x = _gaussian((24, 40), seed=1)
+  steps = 9  # past every schedule's length: exercises cycle / repeat_last
+  out = om.newton_schulz(x, coefficients=name, steps=steps)
+  expected = _reference_ns(x, om.coefficient_schedule(name, steps))
+  scale = max(1.0, np.abs(expected).max())  # cubic5 cycled past 5 grows
+  np.testing.assert_allclose(out / scale, expected / scale, atol=2e-4)
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (512, 256), (512, 512)])
+def test_quintic_is_close_to_the_polar_factor(shape):
+  x = _gaussian(shape, seed=2)
+  out = om.newton_schulz(x, coefficients="quintic", steps=5)
+  assert np.abs(np.asarray(out) - _polar(x)).max() < 0.1
+
+
+def test_polar_express_singular_values_are_near_one():
+  x = _gaussian((512, 128), seed=3)
+  sigma = np.linalg.svd(np.asarray(
+      om.newton_schulz(x, coefficients="polar_express", steps=8)),
+      compute_uv=False)
+  assert sigma.min() >= 0.98 and sigma.max() <= 1.02
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e-10, 1e10, 1e30])
+def test_scale_invariance_over_the_fp32_range(scale):
+  x = _gaussian((32, 48), seed=4)
+  np.testing.assert_allclose(om.newton_schulz(x * np.float32(scale)),
+                             om.newton_schulz(x), atol=1e-5)
+
+
+def test_zero_maps_to_exact_zero():
+  out = om.newton_schulz(jnp.zeros((3, 16, 8)))
+  assert np.all(np.asarray(out) == 0.0)
+
+
+@hypothesis.settings(deadline=None, max_examples=25)
+@hypothesis.given(
+    data=hnp.arrays(
+        np.float32,
+        st.tuples(st.integers(1, 3), st.integers(1, 64), st.integers(1, 300)),
+        elements=st.floats(width=32, allow_nan=False,
+                           allow_infinity=False)))
+def test_no_nan_for_any_finite_input(data):
+  out = np.asarray(om.newton_schulz(jnp.asarray(data)))
+  assert out.shape == data.shape
+  assert np.all(np.isfinite(out))
+
+
+def test_batched_equals_one_by_one():
+  x = _gaussian((5, 16, 24), seed=5)
+  batched = om.newton_schulz(x)
+  for i in range(5):
+    np.testing.assert_allclose(batched[i], om.newton_schulz(x[i]), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_medium_precision_is_close_to_highest_and_keeps_dtype(dtype):
+  x = _gaussian((64, 192), seed=6).astype(dtype)
+  highest = om.newton_schulz(x, precision="highest")
+  medium = om.newton_schulz(x, precision="medium")
+  high = om.newton_schulz(x, precision="high")
+  for out in (highest, medium, high):
+    assert out.dtype == dtype
+  atol = 1e-2 if dtype == jnp.float32 else 2e-2  # bf16 output rounding
+  np.testing.assert_allclose(np.asarray(medium, np.float32),
+                             np.asarray(highest, np.float32), atol=atol)
+
+
+def test_medium_products_are_bf16_rounded():
+  a, b = _gaussian((8, 8), 7), _gaussian((8, 8), 8)
+  product = ns_lib.matmul(a, b, "medium")
+  assert product.dtype == jnp.float32
+  np.testing.assert_array_equal(product, product.astype(jnp.bfloat16)
+                                .astype(jnp.float32))
+  assert not np.array_equal(product, ns_lib.matmul(a, b, "highest"))
+
+
+def test_cubic_schedule_skips_the_quartic_term():
+  x = _gaussian((16, 32), 9)
+  jaxpr = str(jax.make_jaxpr(lambda x: om.newton_schulz(
+      x, coefficients="cubic5"))(x))
+  quintic = str(jax.make_jaxpr(lambda x: om.newton_schulz(x))(x))
+  assert jaxpr.count("dot_general") == 2 and quintic.count("dot_general") == 3
+
+
+def test_traced_step_count_matches_static():
+  x = _gaussian((16, 32), 10)
+  traced = jax.jit(lambda x, s: om.newton_schulz(x, coefficients="polar_express",
+                                                 steps=s))(x, 7)
+  np.testing.assert_allclose(traced, om.newton_schulz(
+      x, coefficients="polar_express", steps=7), atol=1e-6)

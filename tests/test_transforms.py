@@ -1,0 +1,229 @@
+"""momentum, orthogonalize, scale_by_shape and the muon chain, piece by piece."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_muon as om
+from optax_muon import layout
+
+MDN = om.MuonDimensionNumbers
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+class MomentumTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_styles_and_nesterov_follow_the_formulas(self):
+    beta, grads = 0.9, [_normal(i, (3, 4)) for i in range(3)]
+    for style, nesterov in [("ema", True), ("ema", False), ("sgd", True),
+                            ("sgd", False)]:
+      tx = om.momentum(beta, nesterov=nesterov, style=style)
+      state, update = tx.init(grads[0]), self.variant(tx.update)
+      m = np.zeros((3, 4))
+      w = 1 - beta if style == "ema" else 1.0
+      for g in grads:
+        out, state = update(g, state)
+        m = beta * m + w * np.asarray(g)
+        expected = w * np.asarray(g) + beta * m if nesterov else m
+        np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(state.mu, m, rtol=1e-6, atol=1e-6)
+
+  def test_bf16_params_with_fp32_momentum(self):
+    params = _normal(0, (8, 16), jnp.bfloat16)
+    tx = om.momentum(0.95, dtype="float32")
+    state = tx.init(params)
+    assert state.mu.dtype == jnp.float32
+    _, state = tx.update(params, state)
+    assert state.mu.dtype == jnp.float32
+    np.testing.assert_allclose(state.mu, 0.05 * np.asarray(params, np.float32),
+                               rtol=1e-6)
+
+  def test_default_dtype_is_the_param_dtype(self):
+    tx = om.momentum()
+    state = tx.init({"a": jnp.zeros((2, 2), jnp.bfloat16)})
+    assert state.mu["a"].dtype == jnp.bfloat16
+
+
+class OrthogonalizeTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_grouped_equals_one_by_one(self):
+    tree = {"a": _normal(0, (32, 64)), "b": _normal(1, (64, 32)),
+            "c": _normal(2, (32, 64)), "d": _normal(3, (16, 24)),
+            "stacked": _normal(4, (3, 32, 64)), "bf16": _normal(5, (24, 16),
+                                                             jnp.bfloat16)}
+    tx = om.orthogonalize()
+    out, _ = self.variant(tx.update)(tree, tx.init(tree))
+    for name, leaf in tree.items():
+      expected = om.newton_schulz(leaf)
+      assert out[name].dtype == leaf.dtype
+      chex.assert_trees_all_close(out[name], expected, atol=1e-6)
+
+  def test_one_batched_newton_schulz_per_shape(self):
+    tree = {f"w{i}": _normal(i, (32, 64) if i % 2 else (64, 32))
+            for i in range(6)}
+    tx = om.orthogonalize(steps=5)
+    jaxpr = jax.make_jaxpr(lambda t: tx.update(t, optax.EmptyState()))(tree)
+    loops = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
+    assert len(loops) == 1  # six leaves, one wide shape, one loop
+    (loop,) = loops
+    assert any(v.aval.shape == (6, 32, 64) for v in loop.invars)
+
+  def test_dimension_numbers_select_fan_in_and_fan_out(self):
+    x = _normal(0, (6, 3, 20))  # fan-in 6 * 3 merged, fan-out 20
+    dims = MDN(reduction_axis=(0, 1), output_axis=2)
+    tx = om.orthogonalize(dimension_numbers=dims)
+    out, _ = tx.update({"w": x}, tx.init({"w": x}))
+    expected = om.newton_schulz(x.reshape(18, 20)).reshape(6, 3, 20)
+    np.testing.assert_allclose(out["w"], expected, atol=1e-6)
+
+  def test_batch_axis_between_matrix_axes(self):
+    x = _normal(0, (8, 5, 12))  # (in, experts, out)
+    tx = om.orthogonalize(dimension_numbers={"w": MDN(0, 2)})
+    out, _ = tx.update({"w": x}, tx.init({"w": x}))
+    for e in range(5):
+      np.testing.assert_allclose(out["w"][:, e], om.newton_schulz(x[:, e]),
+                                 atol=1e-6)
+
+  def test_dimension_numbers_callable(self):
+    tree = {"w": _normal(0, (4, 6, 10))}
+    tx = om.orthogonalize(
+        dimension_numbers=lambda p: jax.tree.map(lambda _: MDN((0, 1), 2), p))
+    out, _ = tx.update(tree, tx.init(tree))
+    np.testing.assert_allclose(
+        out["w"], om.newton_schulz(tree["w"].reshape(24, 10)).reshape(4, 6, 10),
+        atol=1e-6)
+
+
+@pytest.mark.parametrize("split_layout", layout.QKV_LAYOUTS)
+@pytest.mark.parametrize("stacked", [False, True])
+def test_split_qkv_orthogonalizes_and_scales_q_k_v_separately(split_layout,
+                                                              stacked):
+  heads, kv_heads, head_dim, d = 4, 2, 8, 48
+  split = om.SplitQKV(heads, kv_heads, head_dim, layout=split_layout)
+  width = (heads + 2 * kv_heads) * head_dim
+  x = _normal(0, (2, d, width) if stacked else (d, width))
+  xs = x if stacked else x[None]
+  per_group = heads // kv_heads * head_dim
+  if split_layout == "grouped":
+    g = xs.reshape(xs.shape[0], d, kv_heads, per_group + 2 * head_dim)
+    q = g[..., :per_group].reshape(-1, d, heads * head_dim)
+    k = g[..., per_group:per_group + head_dim].reshape(-1, d, kv_heads * head_dim)
+    v = g[..., per_group + head_dim:].reshape(-1, d, kv_heads * head_dim)
+  else:
+    q, k, v = jnp.split(xs, [heads * head_dim, (heads + kv_heads) * head_dim],
+                        axis=-1)
+  chain = optax.chain(om.orthogonalize(split_qkv=split),
+                      om.scale_by_shape("spectral", split_qkv=split))
+  tree = {"attn": {"qkv": {"kernel": x}}, "mlp": {"kernel": _normal(1, (d, width))}}
+  out, _ = chain.update(tree, chain.init(tree))
+  parts = [om.newton_schulz(p) * np.sqrt(max(p.shape[-2:])) for p in (q, k, v)]
+  if split_layout == "grouped":
+    merged = jnp.concatenate(
+        [p.reshape(p.shape[0], d, kv_heads, -1) for p in parts], axis=-1
+    ).reshape(xs.shape)
+  else:
+    merged = jnp.concatenate(parts, axis=-1)
+  expected = merged if stacked else merged[0]
+  np.testing.assert_allclose(out["attn"]["qkv"]["kernel"], expected, atol=1e-5)
+  # a leaf whose path does not match the pattern is one whole matrix
+  mlp = tree["mlp"]["kernel"]
+  np.testing.assert_allclose(out["mlp"]["kernel"], om.newton_schulz(mlp) *
+                             np.sqrt(width), atol=1e-5)
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("spectral", np.sqrt(48)), ("shape_scaling", np.sqrt(3.0)),
+    ("unit_rms_norm", np.sqrt(48 / 16))])
+def test_scale_modes(mode, expected):
+  assert om.scale_factor(48, 16, mode) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("mode", ["spectral", "shape_scaling", "unit_rms_norm"])
+def test_scale_by_shape_scales_each_stacked_matrix_by_its_shape(mode):
+  x = jnp.ones((3, 16, 48))  # three (in=16, out=48) matrices
+  tx = om.scale_by_shape(mode)
+  out, _ = tx.update({"w": x}, tx.init({"w": x}))
+  np.testing.assert_allclose(out["w"], om.scale_factor(48, 16, mode), rtol=1e-6)
+  assert om.scale_factor(16, 48, "shape_scaling") == 1.0
+
+
+def test_match_adamw_update_rms_uses_beta1_factor():
+  x = {"w": _normal(0, (64, 64))}
+  plain = om.scale_by_muon(extra_scale_factor=1.0)
+  matched = om.scale_by_muon(match_adamw_update_rms=True, adamw_beta1=0.9)
+  a, _ = plain.update(x, plain.init(x))
+  b, _ = matched.update(x, matched.init(x))
+  np.testing.assert_allclose(b["w"], a["w"] * 0.22941573387056174, rtol=1e-5)
+  # spectral + matched: the update RMS lands near AdamW's 0.2
+  rms = float(om.update_rms(b)["w"])
+  assert 0.15 < rms < 0.25
+
+
+def test_match_adamw_update_rms_is_logged_once(caplog):
+  caplog.set_level("INFO", logger="optax_muon")
+  from optax_muon import alias
+  alias._logged_factors.clear()
+  for _ in range(3):
+    om.muon(0.01, match_adamw_update_rms=True, adam_b1=0.9)
+  lines = [r.getMessage() for r in caplog.records if "resolved" in r.message]
+  assert lines == ["match_adamw_update_rms: extra_scale_factor resolved to "
+                   "0.229416 from adamw beta1=0.9"]
+
+
+def test_weight_decay_is_decoupled_and_multiplied_by_lr():
+  params = {"w": _normal(0, (8, 8))}
+  grads = {"w": jnp.zeros((8, 8))}  # zero grad: NS(0) = 0, only decay acts
+  tx = om.muon(0.1, weight_decay=0.5)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  np.testing.assert_allclose(updates["w"], -0.1 * 0.5 * params["w"], rtol=1e-6)
+
+
+def test_weight_decay_masks_by_path_and_adam_settings_are_independent():
+  params = {"a": {"kernel": jnp.ones((4, 4))}, "b": {"kernel": jnp.ones((4, 4))},
+            "bias": jnp.ones((4,))}
+  grads = jax.tree.map(jnp.zeros_like, params)
+  tx = om.muon(0.1, weight_decay=1.0,
+               weight_decay_mask={"a": {"kernel": True}, "b": {"kernel": False},
+                                  "bias": False},
+               adam_learning_rate=0.01, adam_weight_decay=2.0)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  np.testing.assert_allclose(updates["a"]["kernel"], -0.1, rtol=1e-6)
+  np.testing.assert_allclose(updates["b"]["kernel"], 0.0)
+  np.testing.assert_allclose(updates["bias"], -0.01 * 2.0, rtol=1e-6)
+
+
+def test_scalar_optimizer_lion_and_adam_get_the_non_muon_leaves():
+  params = {"kernel": _normal(0, (8, 8)), "bias": jnp.ones((8,))}
+  grads = {"kernel": _normal(1, (8, 8)), "bias": jnp.linspace(-1, 1, 8)}
+  for name, reference in [("adam", optax.adamw(0.01, weight_decay=0.0)),
+                          ("lion", optax.lion(0.01, b2=0.999, weight_decay=0.0))]:
+    tx = om.muon(0.02, scalar_optimizer=name, adam_learning_rate=0.01,
+                 adam_weight_decay=0.0)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    expected, _ = reference.update(grads["bias"], reference.init(params["bias"]),
+                                   params["bias"])
+    np.testing.assert_allclose(updates["bias"], expected, rtol=1e-6)
+    muon_only, _ = om.scale_by_muon().update(
+        {"k": grads["kernel"]}, om.scale_by_muon().init({"k": params["kernel"]}))
+    np.testing.assert_allclose(updates["kernel"], -0.02 * muon_only["k"],
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_explicit_labels_override_the_default():
+  params = {"embed": _normal(0, (16, 8)), "kernel": _normal(1, (8, 8))}
+  grads = jax.tree.map(jnp.ones_like, params)
+  tx = om.muon(0.1, labels={"embed": "muon", "kernel": "adam"})
+  updates, _ = tx.update(grads, tx.init(params), params)
+  # all-ones gradient has rank 1: Muon's update has a single singular value
+  sigma = np.linalg.svd(np.asarray(updates["embed"]), compute_uv=False)
+  assert sigma[1] < 1e-3 * sigma[0]
+  # AdamW's first step is -lr * sign(g)
+  np.testing.assert_allclose(updates["kernel"], -0.1, rtol=1e-4)
