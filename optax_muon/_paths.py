@@ -43,7 +43,9 @@ class PathLookup:
   Leaves the tree does not name get ``default``.
   """
 
-  def __init__(self, spec, single_type: type | tuple[type, ...], default=None):
+  def __init__(self, name: str, spec, single_type: type | tuple[type, ...],
+               default=None):
+    self._name = name
     self._spec = spec
     self._single_type = single_type
     self._default = default
@@ -56,6 +58,12 @@ class PathLookup:
       return lambda path: value
     is_leaf = lambda x: x is None or isinstance(x, self._single_type)
     table = dict(leaves_with_paths(spec, is_leaf=is_leaf)[0])
+    for path, value in table.items():
+      if value is not None and not isinstance(value, self._single_type):
+        raise ValueError(
+            f"{self._name} at {path_string(path) or '<root>'} is {value!r}; "
+            f"accepted: {self._single_type} or None, one for all leaves, "
+            "a tree of them or a callable returning such a tree")
 
     def lookup(path: Path):
       for end in range(len(path), -1, -1):

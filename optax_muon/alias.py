@@ -108,11 +108,11 @@ def scale_by_muon(*, beta=0.95, nesterov: bool = True,
   )
 
 
-def _mask_by_path(mask):
+def _mask_by_path(name, mask):
   """A weight-decay mask tree made readable on the partitioned (masked) tree."""
   if mask is None or callable(mask):
     return mask
-  lookup = _paths.PathLookup(mask, bool, default=False)
+  lookup = _paths.PathLookup(name, mask, (bool, np.bool_), default=False)
 
   def resolved(params):
     of = lookup.resolve(params)
@@ -185,11 +185,13 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
           match_adamw_update_rms=match_adamw_update_rms, adamw_beta1=adam_b1,
           dimension_numbers=dimension_numbers, split_qkv=split_qkv,
           sharding=sharding),
-      optax.add_decayed_weights(weight_decay, _mask_by_path(weight_decay_mask)),
+      optax.add_decayed_weights(
+          weight_decay, _mask_by_path("weight_decay_mask", weight_decay_mask)),
       optax.scale_by_learning_rate(learning_rate),
   )
   scalar_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
-  scalar_mask = _mask_by_path(adam_weight_decay_mask)
+  scalar_mask = _mask_by_path("adam_weight_decay_mask",
+                              adam_weight_decay_mask)
   if scalar_optimizer == "adam":
     scalar_chain = optax.adamw(scalar_lr, b1=adam_b1, b2=adam_b2, eps=adam_eps,
                                weight_decay=adam_weight_decay, mask=scalar_mask)

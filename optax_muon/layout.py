@@ -209,8 +209,9 @@ def view_resolver(dimension_numbers=None, split_qkv=None):
   Returns:
     The resolver; it raises ``ValueError`` for a leaf that cannot be viewed.
   """
-  dims_lookup = _paths.PathLookup(dimension_numbers, MuonDimensionNumbers)
-  split_lookup = _paths.PathLookup(split_qkv, SplitQKV)
+  dims_lookup = _paths.PathLookup("dimension_numbers", dimension_numbers,
+                                  MuonDimensionNumbers)
+  split_lookup = _paths.PathLookup("split_qkv", split_qkv, SplitQKV)
   split_is_pattern = isinstance(split_qkv, SplitQKV)
 
   def resolve(tree):
