@@ -6,6 +6,7 @@ from optax_muon.alias import muon
 from optax_muon.alias import scale_by_muon
 from optax_muon.coefficients import COEFFICIENT_SETS
 from optax_muon.coefficients import coefficient_schedule
+from optax_muon.config import MuonConfig
 from optax_muon.diagnostics import orthogonality_error
 from optax_muon.diagnostics import singular_value_spread
 from optax_muon.diagnostics import update_rms
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "COEFFICIENT_SETS",
+    "MuonConfig",
     "MuonDimensionNumbers",
     "SplitQKV",
     "adamw_rms_match_factor",

@@ -1,0 +1,209 @@
+"""Train the example GPT on byte-level text with Muon or AdamW.
+
+    python -m examples.flax_lm.train optim.optimizer=muon train.steps=300
+    python -m examples.flax_lm.train preset=small optim.optimizer=adam
+    python -m examples.flax_lm.train ... --resume     # continue exactly
+
+Everything a run writes goes under ``train.out_dir`` (``runs/<name>``):
+``checkpoints/``, ``metrics.jsonl`` and ``final.json``.
+"""
+
+import argparse
+import functools
+import json
+import logging
+import math
+import pathlib
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+import optax_muon as om
+from examples.flax_lm import checkpoint as checkpoint_lib
+from examples.flax_lm import config as config_lib
+from examples.flax_lm.data import ByteCorpus
+from examples.flax_lm.model import GPT
+
+
+def learning_rate_schedule(cfg: config_lib.RunConfig):
+  return optax.warmup_cosine_decay_schedule(
+      0.0, cfg.optim.lr, cfg.train.warmup_steps, max(cfg.train.steps, 1),
+      end_value=0.1 * cfg.optim.lr)
+
+
+def split_qkv_of(cfg: config_lib.RunConfig):
+  model = cfg.model
+  if not model.fused_qkv:
+    return None
+  return om.SplitQKV(model.n_head, model.kv_heads, model.head_dim)
+
+
+def matrix_group(path) -> str:
+  """``['blocks'][3]['attn']['qkv']['kernel'].value`` → ``attn/qkv``."""
+  names = re.findall(r"'([^']+)'", jax.tree_util.keystr(path))
+  return "/".join(n for n in names if n not in ("blocks", "kernel"))
+
+
+def named_leaves(tree) -> dict:
+  return {jax.tree_util.keystr(path): (path, leaf) for path, leaf
+          in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def newton_schulz_flops(params, labels, steps: int) -> float:
+  """``T·(4m²n + 2m³)`` summed over every Muon matrix (m ≤ n)."""
+  total = 0.0
+  for leaf, label in zip(jax.tree.leaves(params), jax.tree.leaves(labels)):
+    if label == "muon":
+      *batch, a, b = leaf.shape
+      m, n = min(a, b), max(a, b)
+      total += math.prod(batch) * steps * (4 * m * m * n + 2 * m ** 3)
+  return total
+
+
+def build(cfg: config_lib.RunConfig):
+  """Model graph, params, optimizer, its state, and the jitted step/eval."""
+  model = GPT(cfg.model, nnx.Rngs(cfg.train.seed))
+  graphdef, params = nnx.split(model)
+  tx = cfg.optim.build(learning_rate_schedule(cfg), params=params,
+                       split_qkv=split_qkv_of(cfg))
+  labels = om.default_labels(params)
+  muon_leaves = {key: path for key, (path, label) in named_leaves(labels).items()
+                 if label == "muon" and cfg.optim.optimizer == "muon"}
+
+  def loss_fn(params, inputs, targets):
+    logits = nnx.merge(graphdef, params)(inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                           targets).mean()
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def train_step(params, opt_state, inputs, targets):
+    loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    rms = named_leaves(om.update_rms(updates))
+    groups = {}
+    for key, path in muon_leaves.items():
+      groups.setdefault(matrix_group(path), []).append(jnp.mean(rms[key][1]))
+    metrics = {"train_loss": loss, "grad_norm": optax.tree.norm(grads)}
+    metrics.update({f"update_rms/{g}": jnp.mean(jnp.stack(v))
+                    for g, v in groups.items()})
+    return params, opt_state, metrics
+
+  eval_loss = jax.jit(loss_fn)
+  return graphdef, params, tx, tx.init(params), train_step, eval_loss, labels
+
+
+def evaluate(eval_loss, params, corpus, cfg) -> float:
+  losses = [eval_loss(params, *corpus.batch("val", i, cfg.train.batch_size,
+                                            cfg.model.block_size))
+            for i in range(cfg.train.eval_batches)]
+  return float(np.mean([float(l) for l in losses]))
+
+
+def _read_metrics(path: pathlib.Path, upto: int) -> list[str]:
+  if not path.exists():
+    return []
+  return [line for line in path.read_text().splitlines()
+          if line.strip() and json.loads(line)["step"] <= upto]
+
+
+def train(cfg: config_lib.RunConfig, *, resume: bool = False) -> dict:
+  """Runs (or resumes) training; returns the contents of ``final.json``."""
+  out = pathlib.Path(cfg.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  corpus = ByteCorpus(cfg.train.data, max_bytes=cfg.train.max_bytes)
+  _, params, _, opt_state, train_step, eval_loss, labels = build(cfg)
+  checkpoints = checkpoint_lib.Checkpointer(out / "checkpoints",
+                                            cfg.train.keep_checkpoints)
+  start = 0
+  metrics_path = out / "metrics.jsonl"
+  if resume:
+    restored = checkpoints.restore_latest((params, opt_state))
+    if restored is not None:
+      (params, opt_state), meta = restored
+      start = meta["step"]
+  # a resumed run drops what was logged after its checkpoint
+  metrics_path.write_text("".join(
+      line + "\n" for line in _read_metrics(metrics_path, start)) if start
+                          else "")
+  schedule = learning_rate_schedule(cfg)
+  tokens_per_step = cfg.train.batch_size * cfg.model.block_size
+  ns_flops = (newton_schulz_flops(params, labels, cfg.optim.muon_num_ns_steps)
+              if cfg.optim.optimizer == "muon" else 0.0)
+  model_flops = 6 * sum(x.size for x in jax.tree.leaves(params)) * tokens_per_step
+  (out / "run.json").write_text(json.dumps({
+      "name": cfg.name, "preset": cfg.preset, "optimizer": cfg.optim.optimizer,
+      "model_flops_per_step": model_flops, "ns_flops_per_step": ns_flops,
+      "params": int(sum(x.size for x in jax.tree.leaves(params)))}, indent=1))
+  val_loss = None
+  bar = tqdm(range(start, cfg.train.steps), initial=start,
+             total=cfg.train.steps, disable=not cfg.train.progress,
+             desc=cfg.name, file=sys.stdout, mininterval=2.0)
+  wall = 0.0
+  with metrics_path.open("a") as log:
+    for step in bar:
+      inputs, targets = corpus.batch("train", step, cfg.train.batch_size,
+                                     cfg.model.block_size, cfg.train.seed)
+      begin = time.perf_counter()
+      params, opt_state, metrics = train_step(params, opt_state, inputs,
+                                              targets)
+      metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
+      seconds = time.perf_counter() - begin
+      wall += seconds if step > start else 0.0  # the first step compiles
+      done = step + 1
+      record = None
+      if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+        record = {"step": done, **metrics, "lr": float(schedule(step)),
+                  "step_time": seconds, "wall_time": wall,
+                  "tokens_per_s": tokens_per_step / seconds}
+      if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
+        val_loss = evaluate(eval_loss, params, corpus, cfg)
+        record = (record or {"step": done, **metrics}) | {"val_loss": val_loss}
+      if record:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+      bar.set_postfix(loss=f"{metrics['train_loss']:.3f}",
+                      tok_s=f"{tokens_per_step / seconds:,.0f}")
+      if ((cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0)
+          or done == cfg.train.steps):
+        checkpoints.save(done, (params, opt_state),
+                         {"data_position": done, "seed": cfg.train.seed})
+  if val_loss is None:
+    val_loss = evaluate(eval_loss, params, corpus, cfg)
+  final = {"optimizer": cfg.optim.optimizer, "steps": cfg.train.steps,
+           "final_val_loss": val_loss,
+           "params_sha256": checkpoint_lib.tree_sha256(params)}
+  (out / "final.json").write_text(json.dumps(final, indent=1))
+  return final
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      epilog="overrides: preset=tiny|small, model.<field>=..., "
+      "train.<field>=..., optim.<MuonConfig field>=...")
+  parser.add_argument("overrides", nargs="*")
+  parser.add_argument("--resume", action="store_true",
+                      help="continue from the newest good checkpoint")
+  parser.add_argument("--data", help="a text file or folder to train on")
+  args = parser.parse_args(argv)
+  logging.basicConfig(level=logging.INFO, format="%(message)s")
+  overrides = list(args.overrides)
+  if args.data:
+    overrides.append(f"train.data={args.data}")
+  cfg = config_lib.run_config(overrides)
+  final = train(cfg, resume=args.resume)
+  print(f"{cfg.name}: final val loss {final['final_val_loss']:.4f} "
+        f"after {final['steps']} steps ({cfg.out_dir})")
+  return final
+
+
+if __name__ == "__main__":
+  main()

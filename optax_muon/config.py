@@ -1,0 +1,272 @@
+"""MuonConfig: validated settings with verl / Megatron-Core names.
+
+Field names and defaults follow verl's ``actor.optim`` and Megatron-Core's
+``muon_*`` arguments, so a verl override line works here unchanged::
+
+    cfg = MuonConfig.from_overrides(["optim.optimizer=muon",
+                                     "optim.muon_momentum=0.9"])
+    tx = cfg.build(3e-4, params=params)
+"""
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, Iterable, Mapping
+
+import jax
+import optax
+
+from optax_muon import _checks
+from optax_muon import _paths
+from optax_muon import alias
+from optax_muon import coefficients
+from optax_muon import layout
+from optax_muon import momentum
+from optax_muon import newton_schulz
+from optax_muon import scaling
+
+OPTIMIZERS = ("adam", "muon")
+TP_MODES = ("blockwise", "duplicated", "distributed", "allgather")
+
+
+class _Default(float):
+  """A default float: equal to its value, but known not to be set by the user."""
+
+
+_EXTRA_SCALE_DEFAULT = _Default(1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonConfig:
+  """Optimizer settings under verl / Megatron-Core names, checked when made.
+
+  Attributes:
+    optimizer: ``"adam"`` (AdamW everywhere) or ``"muon"``.
+    lr: learning rate of both groups (verl's default 1e-6, for fine-tuning;
+      ``build`` may pass a schedule instead).
+    betas: AdamW's ``(β₁, β₂)``.
+    eps: AdamW's epsilon.
+    weight_decay: decoupled weight decay, matrices and embeddings (vectors are
+      not decayed, as in Megatron-Core).
+    clip_grad: global-norm clip over all params before the optimizer; 0: off.
+    use_layer_wise_distributed_optimizer: split Newton–Schulz work over the
+      data-parallel axis (needs a mesh).
+    muon_momentum: Muon's β.
+    muon_nesterov: Nesterov momentum.
+    muon_split_qkv: orthogonalize fused Q, K and V separately.
+    muon_scale_mode: ``"spectral"``, ``"shape_scaling"`` or ``"unit_rms_norm"``.
+    muon_coefficient_type: a Newton–Schulz schedule name.
+    muon_num_ns_steps: Newton–Schulz steps.
+    muon_tp_mode: ``"blockwise"``, ``"duplicated"``, ``"distributed"`` or
+      ``"allgather"``.
+    muon_fp32_matmul_prec: ``"highest"``, ``"high"`` or ``"medium"``.
+    muon_extra_scale_factor: factor after the shape scale.
+    muon_scalar_optimizer: ``"adam"`` or ``"lion"`` for the non-matrix leaves.
+    muon_match_adamw_update_rms: derive the extra factor from ``betas[0]``.
+    muon_momentum_style: ``"ema"`` or ``"sgd"``.
+  """
+  optimizer: str = "adam"
+  lr: float = 1e-6
+  betas: tuple[float, float] = (0.9, 0.999)
+  eps: float = 1e-8
+  weight_decay: float = 0.01
+  clip_grad: float = 1.0
+  use_layer_wise_distributed_optimizer: bool = False
+  muon_momentum: float = 0.95
+  muon_nesterov: bool = False
+  muon_split_qkv: bool = True
+  muon_scale_mode: str = "spectral"
+  muon_coefficient_type: str = "quintic"
+  muon_num_ns_steps: int = 5
+  muon_tp_mode: str = "blockwise"
+  muon_fp32_matmul_prec: str = "medium"
+  muon_extra_scale_factor: float = _EXTRA_SCALE_DEFAULT
+  muon_scalar_optimizer: str = "adam"
+  muon_match_adamw_update_rms: bool = False
+  muon_momentum_style: str = "ema"
+
+  def __post_init__(self):
+    hints = typing.get_type_hints(type(self))
+    for field in dataclasses.fields(self):
+      object.__setattr__(self, field.name, _coerce(
+          field.name, getattr(self, field.name), hints[field.name]))
+    choices = {
+        "optimizer": OPTIMIZERS, "muon_scale_mode": scaling.SCALE_MODES,
+        "muon_coefficient_type": tuple(coefficients.COEFFICIENT_SETS),
+        "muon_tp_mode": TP_MODES,
+        "muon_fp32_matmul_prec": newton_schulz.PRECISIONS,
+        "muon_scalar_optimizer": alias.SCALAR_OPTIMIZERS,
+        "muon_momentum_style": momentum.MOMENTUM_STYLES}
+    for name, accepted in choices.items():
+      _checks.check_choice(name, getattr(self, name), accepted)
+    for name in ("lr", "weight_decay", "clip_grad"):
+      _checks.check_range(name, getattr(self, name), 0.0, math.inf)
+    _checks.check_range("eps", self.eps, 0.0, math.inf)
+    _checks.check_range("muon_extra_scale_factor",
+                        self.muon_extra_scale_factor, 0.0, math.inf)
+    for i, beta in enumerate(self.betas):
+      _checks.check_range(f"betas[{i}]", beta, 0.0, 1.0)
+    _checks.check_range("muon_momentum", self.muon_momentum, 0.0, 1.0)
+    _checks.check_int("muon_num_ns_steps", self.muon_num_ns_steps, minimum=1)
+    if self.muon_match_adamw_update_rms and not isinstance(
+        self.muon_extra_scale_factor, _Default):
+      raise ValueError(
+          "muon_match_adamw_update_rms=True derives muon_extra_scale_factor "
+          f"from betas[0], but muon_extra_scale_factor="
+          f"{float(self.muon_extra_scale_factor)} was also set; set exactly one")
+
+  @classmethod
+  def field_names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "MuonConfig":
+    """From ``{name: value}``; names may carry a dotted prefix (``optim.lr``)."""
+    return cls(**parse_fields(cls, values))
+
+  @classmethod
+  def from_overrides(cls, overrides: Iterable[str]) -> "MuonConfig":
+    """From ``"key=value"`` strings, types read from the fields (no ``eval``)."""
+    return cls.from_dict(split_overrides(overrides))
+
+  @property
+  def extra_scale_factor(self) -> float | None:
+    """``None`` when AdamW-RMS matching derives it, else the factor."""
+    if self.muon_match_adamw_update_rms:
+      return None
+    return float(self.muon_extra_scale_factor)
+
+  def build(self, learning_rate=None, *, params=None, mesh=None,
+            split_qkv: layout.SplitQKV | None = None,
+            labels=None) -> optax.GradientTransformation:
+    """The optimizer: global-norm clip, then AdamW or Muon + AdamW.
+
+    Args:
+      learning_rate: a float or optax schedule; ``None`` uses ``lr``.
+      params: the params (or their shapes), used to check the settings
+        against the model (fused QKV leaves need ``split_qkv``).
+      mesh: a ``jax.sharding.Mesh`` for tensor-parallel / layer-wise modes.
+      split_qkv: head counts of the fused QKV kernels, for ``muon_split_qkv``.
+      labels: as in ``muon``; ``None`` uses ``default_labels``.
+
+    Returns:
+      An ``optax.GradientTransformation``.
+    """
+    lr = self.lr if learning_rate is None else learning_rate
+    b1, b2 = self.betas
+    decay_mask = lambda p: jax.tree.map(lambda x: jax.numpy.ndim(x) >= 2, p)
+    clip = ([optax.clip_by_global_norm(self.clip_grad)] if self.clip_grad > 0
+            else [])
+    if self.optimizer == "adam":
+      return optax.chain(*clip, optax.adamw(
+          lr, b1=b1, b2=b2, eps=self.eps, weight_decay=self.weight_decay,
+          mask=decay_mask))
+    if mesh is not None or self.use_layer_wise_distributed_optimizer:
+      raise ValueError(
+          "mesh / use_layer_wise_distributed_optimizer need tensor-parallel "
+          "execution, which this release does not have; accepted: mesh=None "
+          "and use_layer_wise_distributed_optimizer=False")
+    split = split_qkv if self.muon_split_qkv else None
+    if self.muon_split_qkv and split is None and params is not None:
+      fused = [p for p, _ in _paths_matching(params, "qkv")]
+      if fused:
+        raise ValueError(
+            f"muon_split_qkv=True but the params have fused QKV leaves "
+            f"({fused[0]}, ...) and build() got no split_qkv=SplitQKV(...) "
+            "with their head counts; pass it or set muon_split_qkv=False")
+    return optax.chain(*clip, alias.muon(
+        lr, beta=self.muon_momentum, nesterov=self.muon_nesterov,
+        momentum_style=self.muon_momentum_style,
+        coefficients=self.muon_coefficient_type, steps=self.muon_num_ns_steps,
+        precision=self.muon_fp32_matmul_prec, scale_mode=self.muon_scale_mode,
+        extra_scale_factor=self.extra_scale_factor,
+        match_adamw_update_rms=self.muon_match_adamw_update_rms,
+        split_qkv=split, weight_decay=self.weight_decay,
+        weight_decay_mask=decay_mask, labels=labels,
+        scalar_optimizer=self.muon_scalar_optimizer, adam_b1=b1, adam_b2=b2,
+        adam_eps=self.eps, adam_weight_decay=self.weight_decay,
+        adam_weight_decay_mask=decay_mask))
+
+
+def _paths_matching(params, pattern: str):
+  leaves, _ = _paths.leaves_with_paths(params)
+  return [(_paths.path_string(p), leaf) for p, leaf in leaves
+          if _paths.matches([pattern], p) and jax.numpy.ndim(leaf) >= 2]
+
+
+def split_overrides(overrides: Iterable[str]) -> dict[str, str]:
+  """``["a.b=1", ...]`` as ``{"a.b": "1", ...}``."""
+  values = {}
+  for item in overrides:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+      raise ValueError(f"override {item!r} is not of the form key=value")
+    values[key.strip()] = value.strip()
+  return values
+
+
+def parse_fields(cls, values: Mapping[str, Any]) -> dict[str, Any]:
+  """Typed field values of dataclass ``cls`` from names (dotted prefixes
+  allowed) to values or strings; an unknown name raises ``ValueError``."""
+  hints = typing.get_type_hints(cls)
+  known = [f.name for f in dataclasses.fields(cls)]
+  fields = {}
+  for key, value in values.items():
+    name = key.rsplit(".", 1)[-1]
+    if name not in known:
+      raise ValueError(f"unknown field {key!r}; accepted fields: {known}")
+    fields[name] = _coerce(name, value, hints[name])
+  return fields
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _coerce(name: str, value: Any, hint) -> Any:
+  """``value`` as the field's type; strings are parsed, other types checked."""
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(
+      hint):
+    if value is None or (isinstance(value, str) and value.lower() in (
+        "none", "null", "")):
+      return None
+    (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    return _coerce(name, value, inner)
+  if hint is bool:
+    if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+      return value.lower() in _TRUE
+    if isinstance(value, bool):
+      return value
+    raise ValueError(f"{name}={value!r} is not a bool; accepted: true/false")
+  if hint is int:
+    try:
+      if isinstance(value, bool) or (isinstance(value, float)
+                                     and not value.is_integer()):
+        raise ValueError
+      return int(value)
+    except (TypeError, ValueError):
+      raise ValueError(f"{name}={value!r} is not an integer") from None
+  if hint is float:
+    if isinstance(value, _Default):
+      return value
+    try:
+      if isinstance(value, bool):
+        raise ValueError
+      return float(value)
+    except (TypeError, ValueError):
+      raise ValueError(f"{name}={value!r} is not a number") from None
+  if origin is tuple:
+    if isinstance(value, str):
+      value = [v for v in value.strip("[]() ").split(",") if v.strip()]
+    args = typing.get_args(hint)
+    if not isinstance(value, (list, tuple)) or len(value) != len(args):
+      raise ValueError(f"{name}={value!r} must be {len(args)} numbers, e.g. "
+                       "[0.9,0.999]")
+    return tuple(_coerce(f"{name}[{i}]", v, t)
+                 for i, (v, t) in enumerate(zip(value, args)))
+  if hint is str:
+    if not isinstance(value, str):
+      raise ValueError(f"{name}={value!r} is not a string")
+    return value
+  return value
