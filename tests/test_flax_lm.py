@@ -1,0 +1,143 @@
+"""The Flax LM example: data, exact resume after SIGKILL, corrupted checkpoints."""
+
+import json
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from examples.flax_lm import checkpoint as checkpoint_lib
+from examples.flax_lm import compare as compare_lib
+from examples.flax_lm import config as config_lib
+from examples.flax_lm import train as train_lib
+from examples.flax_lm.data import ByteCorpus
+
+ROOT = pathlib.Path(__file__).parents[1]
+SMALL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+         "model.block_size=32", "train.batch_size=4", "train.steps=12",
+         "train.warmup_steps=2", "train.eval_every=4", "train.eval_batches=1",
+         "train.log_every=1", "train.max_bytes=200000", "train.progress=false"]
+
+
+def _run_in_subprocess(overrides, kill_at_step=None, resume=False):
+  """Runs train.main in a fresh process; optionally SIGKILLs it mid-run."""
+  script = textwrap.dedent(f"""
+      import os, signal, sys
+      sys.path.insert(0, {str(ROOT)!r})
+      from examples.flax_lm import train
+      kill_at = {kill_at_step!r}
+      build = train.build
+      def killing_build(cfg):
+        *head, step, evaluate, labels = build(cfg)
+        calls = [0]
+        def step_then_maybe_die(*args):
+          if kill_at is not None and calls[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+          calls[0] += 1
+          return step(*args)
+        return (*head, step_then_maybe_die, evaluate, labels)
+      train.build = killing_build
+      train.main({list(overrides) + (["--resume"] if resume else [])!r})
+  """)
+  return subprocess.run([sys.executable, "-c", script], capture_output=True,
+                        text=True, cwd=ROOT, timeout=300)
+
+
+def _curve(out_dir):
+  keep = ("step", "train_loss", "val_loss", "grad_norm", "lr")
+  return [{k: v for k, v in json.loads(line).items() if k in keep or
+           k.startswith("update_rms")}
+          for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
+  common = SMALL + ["optim.optimizer=muon", "train.checkpoint_every=4"]
+  whole = _run_in_subprocess(common + [f"train.out_dir={tmp_path / 'whole'}"])
+  assert whole.returncode == 0, whole.stderr
+  killed_dir = tmp_path / "killed"
+  killed = _run_in_subprocess(common + [f"train.out_dir={killed_dir}"],
+                              kill_at_step=10)
+  assert killed.returncode == -9  # SIGKILL after checkpoints 4 and 8
+  assert not (killed_dir / "final.json").exists()
+  assert [json.loads(l)["step"] for l in (killed_dir / "metrics.jsonl")
+          .read_text().splitlines()][-1] == 10
+  resumed = _run_in_subprocess(common + [f"train.out_dir={killed_dir}"],
+                               resume=True)
+  assert resumed.returncode == 0, resumed.stderr
+  final_whole = json.loads((tmp_path / "whole" / "final.json").read_text())
+  final_resumed = json.loads((killed_dir / "final.json").read_text())
+  assert final_resumed["params_sha256"] == final_whole["params_sha256"]
+  assert final_resumed["final_val_loss"] == final_whole["final_val_loss"]
+  assert _curve(killed_dir) == _curve(tmp_path / "whole")
+  assert set(final_whole) == {"optimizer", "steps", "final_val_loss",
+                              "params_sha256"}
+
+
+def test_corrupted_latest_checkpoint_falls_back_to_the_previous(tmp_path,
+                                                                caplog):
+  saver = checkpoint_lib.Checkpointer(tmp_path / "ckpt", keep=3)
+  state = {"w": np.arange(6, dtype=np.float32), "n": np.int32(3)}
+  saver.save(1, state, {"data_position": 1})
+  saver.save(2, {"w": state["w"] + 1, "n": np.int32(4)}, {"data_position": 2})
+  for file in (tmp_path / "ckpt" / "2").rglob("*"):
+    if file.is_file() and "meta" not in file.parts:
+      file.write_bytes(b"\0" * 7)  # a torn write
+  caplog.set_level(logging.WARNING, logger="flax_lm")
+  restored, meta = checkpoint_lib.Checkpointer(tmp_path / "ckpt").restore_latest(
+      state)
+  assert meta["step"] == 1
+  np.testing.assert_array_equal(restored["w"], state["w"])
+  assert any("checkpoint 2" in r.getMessage() for r in caplog.records)
+
+
+def test_data_errors_are_clear(tmp_path):
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    ByteCorpus(tmp_path / "missing")
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(ValueError, match="holds no"):
+    ByteCorpus(tmp_path / "empty")
+  (tmp_path / "tiny.txt").write_text("ab")
+  with pytest.raises(ValueError, match="too little text"):
+    ByteCorpus(tmp_path / "tiny.txt")
+
+
+def test_batches_are_a_function_of_the_step(tmp_path):
+  text = tmp_path / "book.txt"
+  text.write_text("".join(chr(97 + i % 26) for i in range(5000)))
+  corpus = ByteCorpus(text)
+  a = corpus.batch("train", 7, 3, 16)
+  b = corpus.batch("train", 7, 3, 16)
+  c = corpus.batch("train", 8, 3, 16)
+  np.testing.assert_array_equal(a[0], b[0])
+  assert not np.array_equal(a[0], c[0])
+  np.testing.assert_array_equal(a[0][:, 1:], a[1][:, :-1])  # shifted by one
+
+
+def test_bad_run_overrides_raise():
+  with pytest.raises(ValueError, match="preset"):
+    config_lib.run_config(["preset=huge"])
+  with pytest.raises(ValueError, match="warmup_steps"):
+    config_lib.run_config(["train.steps=5"])
+  with pytest.raises(ValueError, match="unknown field"):
+    config_lib.run_config(["model.n_layers=3"])
+  with pytest.raises(ValueError, match="n_head"):
+    config_lib.run_config(["model.n_head=5"])
+
+
+def test_compare_writes_curves_summary_and_plot(tmp_path):
+  summary = compare_lib.compare(
+      SMALL + ["train.steps=8", "train.eval_every=4"],
+      sweeps={"adam": (3e-3,), "muon": (3e-3, 1e-2)}, out=tmp_path)
+  root = tmp_path / "tiny"
+  for name in ("adam.jsonl", "muon.jsonl", "summary.json", "val_loss.png"):
+    assert (root / name).stat().st_size > 0, name
+  assert len(summary["sweep"]) == 3
+  assert summary["best"]["muon"]["final_val_loss"] == min(
+      r["final_val_loss"] for r in summary["sweep"] if r["optimizer"] == "muon")
+  for run in summary["best"].values():
+    assert run["final_val_loss"] < np.log(256)  # learned something
