@@ -18,6 +18,8 @@ from optax_muon.orthogonalize import orthogonalize
 from optax_muon.scaling import adamw_rms_match_factor
 from optax_muon.scaling import scale_by_shape
 from optax_muon.scaling import scale_factor
+from optax_muon.sharding import TensorParallel
+from optax_muon.sharding import zero1_sharding
 
 __version__ = "0.1.0"
 
@@ -26,6 +28,7 @@ __all__ = (
     "MuonConfig",
     "MuonDimensionNumbers",
     "SplitQKV",
+    "TensorParallel",
     "adamw_rms_match_factor",
     "coefficient_schedule",
     "default_labels",
@@ -39,4 +42,5 @@ __all__ = (
     "scale_factor",
     "singular_value_spread",
     "update_rms",
+    "zero1_sharding",
 )

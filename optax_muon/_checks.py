@@ -57,10 +57,3 @@ def check_choice(name: str, value: Any, choices) -> None:
     raise ValueError(
         f"{name}={value!r} is not accepted; accepted values: {list(choices)}")
 
-
-def check_sharding(sharding: Any) -> None:
-  """Only ``None`` until tensor-parallel execution lands."""
-  if sharding is not None:
-    raise ValueError(
-        f"sharding={sharding!r} is not accepted yet; accepted values: [None] "
-        "(tensor-parallel execution is not part of this release)")

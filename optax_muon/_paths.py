@@ -22,6 +22,12 @@ def key_name(key: Any) -> str:
 
 
 def path_names(path: Iterable[Any]) -> Path:
+  """Key names of a path, without the ``.value`` a ``flax.nnx`` Variable adds
+  (so a ``State`` of Variables and its pure-array form share their paths)."""
+  path = tuple(path)
+  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and (
+      path[-1].name == "value"):
+    path = path[:-1]
   return tuple(key_name(k) for k in path)
 
 

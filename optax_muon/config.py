@@ -25,9 +25,10 @@ from optax_muon import layout
 from optax_muon import momentum
 from optax_muon import newton_schulz
 from optax_muon import scaling
+from optax_muon import sharding as sharding_lib
 
 OPTIMIZERS = ("adam", "muon")
-TP_MODES = ("blockwise", "duplicated", "distributed", "allgather")
+TP_MODES = sharding_lib.MODES
 
 
 class _Default(float):
@@ -138,8 +139,8 @@ class MuonConfig:
     return float(self.muon_extra_scale_factor)
 
   def build(self, learning_rate=None, *, params=None, mesh=None,
-            split_qkv: layout.SplitQKV | None = None,
-            labels=None) -> optax.GradientTransformation:
+            split_qkv: layout.SplitQKV | None = None, labels=None,
+            specs=None) -> optax.GradientTransformation:
     """The optimizer: global-norm clip, then AdamW or Muon + AdamW.
 
     Args:
@@ -149,6 +150,8 @@ class MuonConfig:
       mesh: a ``jax.sharding.Mesh`` for tensor-parallel / layer-wise modes.
       split_qkv: head counts of the fused QKV kernels, for ``muon_split_qkv``.
       labels: as in ``muon``; ``None`` uses ``default_labels``.
+      specs: the params' ``PartitionSpec``s for ``TensorParallel`` (needed on
+        meshes with Auto axes), e.g. ``nnx.get_partition_spec(state)``.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -162,11 +165,24 @@ class MuonConfig:
       return optax.chain(*clip, optax.adamw(
           lr, b1=b1, b2=b2, eps=self.eps, weight_decay=self.weight_decay,
           mask=decay_mask))
-    if mesh is not None or self.use_layer_wise_distributed_optimizer:
-      raise ValueError(
-          "mesh / use_layer_wise_distributed_optimizer need tensor-parallel "
-          "execution, which this release does not have; accepted: mesh=None "
-          "and use_layer_wise_distributed_optimizer=False")
+    sharding = None
+    if mesh is not None:
+      axes = list(mesh.axis_names)
+      if "model" not in axes:
+        raise ValueError(f"muon_tp_mode needs a mesh axis named 'model'; the "
+                         f"mesh has {axes}")
+      distribute = None
+      if self.use_layer_wise_distributed_optimizer:
+        if "data" not in axes:
+          raise ValueError("use_layer_wise_distributed_optimizer=True needs a "
+                           f"mesh axis named 'data'; the mesh has {axes}")
+        distribute = "data"
+      sharding = sharding_lib.TensorParallel(
+          mesh, "model", self.muon_tp_mode, specs=specs,
+          distribute_over=distribute)
+    elif self.use_layer_wise_distributed_optimizer:
+      raise ValueError("use_layer_wise_distributed_optimizer=True needs a mesh "
+                       "with a 'data' axis: pass build(..., mesh=mesh)")
     split = split_qkv if self.muon_split_qkv else None
     if self.muon_split_qkv and split is None and params is not None:
       fused = [p for p, _ in _paths_matching(params, "qkv")]
@@ -182,7 +198,7 @@ class MuonConfig:
         precision=self.muon_fp32_matmul_prec, scale_mode=self.muon_scale_mode,
         extra_scale_factor=self.extra_scale_factor,
         match_adamw_update_rms=self.muon_match_adamw_update_rms,
-        split_qkv=split, weight_decay=self.weight_decay,
+        split_qkv=split, sharding=sharding, weight_decay=self.weight_decay,
         weight_decay_mask=decay_mask, labels=labels,
         scalar_optimizer=self.muon_scalar_optimizer, adam_b1=b1, adam_b2=b2,
         adam_eps=self.eps, adam_weight_decay=self.weight_decay,

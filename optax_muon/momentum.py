@@ -59,8 +59,9 @@ def momentum(beta=0.95, *, nesterov: bool = True, style: str = "ema",
   gradient_weight = (lambda: 1.0 - beta) if style == "ema" else (lambda: 1.0)
 
   def init_fn(params):
+    # zeros_like keeps each param's sharding
     return MomentumState(mu=jax.tree.map(
-        lambda p: jnp.zeros(jnp.shape(p), dtype or jnp.result_type(p)), params))
+        lambda p: jnp.zeros_like(p, dtype=dtype or jnp.result_type(p)), params))
 
   def update_fn(updates, state, params=None):
     del params

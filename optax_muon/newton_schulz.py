@@ -26,25 +26,36 @@ def matmul(a: jax.Array, b: jax.Array, precision: str) -> jax.Array:
   return jnp.matmul(a, b, precision=level)
 
 
-def normalize(x: jax.Array, eps: float) -> jax.Array:
+def _all_reduce(reduce, x, axis_name):
+  return x if axis_name is None else reduce(x, axis_name)
+
+
+def normalize(x: jax.Array, eps: float, axis_name=None) -> jax.Array:
   """``x / max(‖x‖_F, eps)`` per matrix, safe over the whole fp32 range.
 
   Dividing by ``max|x|`` first keeps ``‖x‖²`` from overflowing (entries near
   1e30) or underflowing (near 1e-30), so the result is scale-invariant; a zero
-  matrix stays exactly zero.
+  matrix stays exactly zero. Inside ``shard_map``, ``axis_name`` names the
+  mesh axis the columns of ``x`` are split over.
   """
-  peak = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)
+  peak = _all_reduce(jax.lax.pmax, jnp.max(jnp.abs(x), axis=(-2, -1),
+                                           keepdims=True), axis_name)
   x = x / jnp.where(peak > 0, peak, 1.0)
-  norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
+  norm = jnp.sqrt(_all_reduce(jax.lax.psum, jnp.sum(
+      jnp.square(x), axis=(-2, -1), keepdims=True), axis_name))
   return x / jnp.maximum(norm, eps)
 
 
 def iterate(x: jax.Array, table: np.ndarray, mode: str, steps,
-            precision: str) -> jax.Array:
-  """Runs ``steps`` Newton–Schulz steps on wide (m ≤ n), normalized ``x``.
+            precision: str, axis_name=None) -> jax.Array:
+  """Runs ``steps`` Newton–Schulz steps on normalized ``x``.
 
-  ``steps`` may be traced (``optax.inject_hyperparams``): the loop then has a
-  dynamic trip count and looks its coefficients up per step.
+  ``x`` is wide (m ≤ n) for the fewest FLOPs, though any orientation gives the
+  same polynomial of the singular values. ``steps`` may be traced
+  (``optax.inject_hyperparams``): the loop then has a dynamic trip count and
+  looks its coefficients up per step. Inside ``shard_map``, ``axis_name``
+  names the mesh axis the columns of ``x`` are split over: the Gram matrix
+  ``X Xᵀ`` is then the sum of the shards' (one all-reduce a step).
   """
   rows = jnp.asarray(table, jnp.float32)
   cubic = bool(np.all(table[:, 2] == 0))
@@ -52,7 +63,7 @@ def iterate(x: jax.Array, table: np.ndarray, mode: str, steps,
 
   def step(i, X):
     a, b, c = rows[coefficients_lib.schedule_index(i, len(table), mode, jnp)]
-    A = matmul(X, mT(X), precision)
+    A = _all_reduce(jax.lax.psum, matmul(X, mT(X), precision), axis_name)
     B = b * A if cubic else b * A + c * matmul(A, A, precision)
     return a * X + matmul(B, X, precision)
 

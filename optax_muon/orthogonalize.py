@@ -14,14 +14,19 @@ from optax_muon import _checks
 from optax_muon import coefficients as coefficients_lib
 from optax_muon import layout
 from optax_muon import newton_schulz as ns
+from optax_muon import sharding as sharding_lib
 
 METHODS = ("standard",)
 
 
 def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
-                           mode: str, steps, precision: str,
-                           eps) -> list[jax.Array]:
-  """NS of each ``(batch, m, n)`` array, one batched call per wide shape."""
+                           mode: str, steps, precision: str, eps,
+                           distribute_axis: str | None = None) -> list[jax.Array]:
+  """NS of each ``(batch, m, n)`` array, one batched call per wide shape.
+
+  With ``distribute_axis`` (inside ``shard_map``), each rank of that mesh axis
+  orthogonalizes 1/N of every group and the results are all-gathered.
+  """
   wide, groups = [], {}
   for index, matrix in enumerate(matrices):
     tall = matrix.shape[-2] > matrix.shape[-1]
@@ -31,7 +36,17 @@ def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
   results = [None] * len(matrices)
   for members in groups.values():
     stack = jnp.concatenate([wide[i] for i in members], axis=0)
+    count = stack.shape[0]
+    if distribute_axis is not None:
+      ranks = jax.lax.axis_size(distribute_axis)
+      padded = -(-count // ranks) * ranks
+      stack = jnp.pad(stack, ((0, padded - count), (0, 0), (0, 0)))
+      stack = jax.lax.dynamic_slice_in_dim(
+          stack, jax.lax.axis_index(distribute_axis) * (padded // ranks),
+          padded // ranks)
     stack = ns.iterate(ns.normalize(stack, eps), table, mode, steps, precision)
+    if distribute_axis is not None:
+      stack = jax.lax.all_gather(stack, distribute_axis, tiled=True)[:count]
     offsets = np.cumsum([0] + [wide[i].shape[0] for i in members])
     for i, start, stop in zip(members, offsets[:-1], offsets[1:]):
       out = stack[start:stop]
@@ -39,6 +54,17 @@ def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
         out = jnp.swapaxes(out, -1, -2)
       results[i] = out.astype(matrices[i].dtype)
   return results
+
+
+def _distributed_newton_schulz(matrices, axis_name, table, mode, steps,
+                               precision, eps):
+  """NS of matrices whose columns are split over ``axis_name`` (shard_map)."""
+  out = []
+  for matrix in matrices:
+    x = ns.normalize(matrix.astype(jnp.float32), eps, axis_name)
+    x = ns.iterate(x, table, mode, steps, precision, axis_name)
+    out.append(x.astype(matrix.dtype))
+  return out
 
 
 def orthogonalize(*, coefficients="quintic", steps=5,
@@ -61,7 +87,7 @@ def orthogonalize(*, coefficients="quintic", steps=5,
     dimension_numbers: ``None``, an ``optax.contrib.MuonDimensionNumbers``
       for every leaf, a tree of them, or a callable of the params.
     split_qkv: ``None``, a ``SplitQKV``, a tree of them or a callable.
-    sharding: ``None`` (reserved for tensor-parallel execution).
+    sharding: ``None``, or a ``TensorParallel`` to run over a mesh.
     eps: floor of the Frobenius norm used to normalize.
 
   Returns:
@@ -76,19 +102,32 @@ def orthogonalize(*, coefficients="quintic", steps=5,
   _checks.check_choice("precision", precision, ns.PRECISIONS)
   _checks.check_choice("method", method, METHODS)
   _checks.check_range("eps", eps, 0.0, np.inf)
-  _checks.check_sharding(sharding)
+  sharding_lib.check_sharding(sharding)
   resolve_views = layout.view_resolver(dimension_numbers, split_qkv)
+  settings = dict(table=table, mode=mode, steps=steps, precision=precision,
+                  eps=eps)
 
   def init_fn(params):
     resolve_views(params)  # bad dimension numbers or splits raise here
+    if sharding is not None and (sharding.specs is not None or
+                                 sharding._explicit()):
+      sharding.leaf_specs(params)  # and bad specs here
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None):
     del params
     views = resolve_views(updates)
+    if sharding is not None:
+      leaves = sharding_lib.orthogonalize_sharded(
+          [leaf for _, leaf, _ in views], [view for _, _, view in views],
+          sharding, sharding.leaf_specs(updates),
+          lambda ms, axis: _orthogonalize_grouped(ms, distribute_axis=axis,
+                                                  **settings),
+          lambda ms, axis: _distributed_newton_schulz(ms, axis, **settings))
+      return jax.tree.unflatten(jax.tree.structure(updates), leaves), state
     pieces = [view.to_matrices(leaf) for _, leaf, view in views]
     flat = [m for leaf_pieces in pieces for m in leaf_pieces]
-    flat = iter(_orthogonalize_grouped(flat, table, mode, steps, precision, eps))
+    flat = iter(_orthogonalize_grouped(flat, **settings))
     new_leaves = [view.from_matrices([next(flat) for _ in leaf_pieces])
                   for (_, _, view), leaf_pieces in zip(views, pieces)]
     treedef = jax.tree.structure(updates)

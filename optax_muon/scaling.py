@@ -9,6 +9,7 @@ import optax
 
 from optax_muon import _checks
 from optax_muon import layout
+from optax_muon import sharding as sharding_lib
 
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 
@@ -73,22 +74,23 @@ def scale_by_shape(mode: str = "spectral", *, dimension_numbers=None,
     mode: ``"spectral"``, ``"shape_scaling"`` or ``"unit_rms_norm"``.
     dimension_numbers: as in ``orthogonalize``.
     split_qkv: as in ``orthogonalize``.
-    sharding: ``None`` (reserved for tensor-parallel execution).
+    sharding: ``None`` or a ``TensorParallel``; its ``blockwise`` mode
+      scales by each shard's shape, the other modes by the global shape.
 
   Returns:
     A stateless ``optax.GradientTransformation``.
   """
   _checks.check_choice("scale_mode", mode, SCALE_MODES)
-  _checks.check_sharding(sharding)
+  sharding_lib.check_sharding(sharding)
   resolve_views = layout.view_resolver(dimension_numbers, split_qkv)
 
   def init_fn(params):
     resolve_views(params)
     return optax.EmptyState()
 
-  def scale_leaf(leaf, view):
+  def scale_leaf(leaf, view, local):
     factors = [scale_factor(fan_out, fan_in, mode)
-               for fan_in, fan_out in view.matrix_shapes]
+               for fan_in, fan_out in local.matrix_shapes]
     if len(set(factors)) == 1:
       return leaf * jnp.asarray(factors[0], leaf.dtype)
     pieces = view.to_matrices(leaf)
@@ -97,7 +99,16 @@ def scale_by_shape(mode: str = "spectral", *, dimension_numbers=None,
 
   def update_fn(updates, state, params=None):
     del params
-    leaves = [scale_leaf(leaf, view) for _, leaf, view in resolve_views(updates)]
+    views = [view for _, _, view in resolve_views(updates)]
+    local_views = views
+    if sharding is not None and sharding.mode == "blockwise":
+      # blockwise orthogonalizes each shard alone: scale by the shard's shape
+      local_views = [
+          sharding_lib.local_view(view, sharding_lib.local_shape(
+              view.shape, spec, sharding))
+          for view, spec in zip(views, sharding.leaf_specs(updates))]
+    leaves = [scale_leaf(leaf, view, local) for leaf, view, local in
+              zip(jax.tree.leaves(updates), views, local_views)]
     return jax.tree.unflatten(jax.tree.structure(updates), leaves), state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -67,7 +67,7 @@ CASES = {
         lambda: om.muon(0.01, adam_b2=1.0), ValueError, ["adam_b2"]),
     "bad momentum dtype": (
         lambda: om.momentum(dtype="float33"), ValueError, ["dtype"]),
-    "sharding before tensor-parallel support": (
+    "sharding that is not TensorParallel": (
         lambda: om.orthogonalize(sharding="model"), ValueError,
         ["sharding", "None"]),
     "overlapping dimension numbers": (

@@ -1,5 +1,6 @@
 """The Flax LM example: data, exact resume after SIGKILL, corrupted checkpoints."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -32,8 +33,8 @@ def _run_in_subprocess(overrides, kill_at_step=None, resume=False):
       from examples.flax_lm import train
       kill_at = {kill_at_step!r}
       build = train.build
-      def killing_build(cfg):
-        *head, step, evaluate, labels = build(cfg)
+      def killing_build(cfg, mesh=None):
+        *head, step, evaluate, labels = build(cfg, mesh)
         calls = [0]
         def step_then_maybe_die(*args):
           if kill_at is not None and calls[0] == kill_at:
@@ -141,3 +142,30 @@ def test_compare_writes_curves_summary_and_plot(tmp_path):
       r["final_val_loss"] for r in summary["sweep"] if r["optimizer"] == "muon")
   for run in summary["best"].values():
     assert run["final_val_loss"] < np.log(256)  # learned something
+
+
+@pytest.mark.parametrize("mode", ["duplicated", "blockwise"])
+def test_muon_trains_on_a_data_model_mesh(tmp_path, mode):
+  mesh = train_lib.parse_mesh("data=2,model=4")
+  cfg = config_lib.run_config(SMALL + [
+      "optim.optimizer=muon", f"optim.muon_tp_mode={mode}", "model.n_head=4",
+      "train.steps=6", f"train.out_dir={tmp_path}", "train.eval_every=6"])
+  final = train_lib.train(cfg, mesh=mesh)
+  curve = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text()
+           .splitlines()]
+  assert curve[-1]["train_loss"] < curve[0]["train_loss"]
+  if mode == "duplicated":  # the full-matrix update: same run as unsharded
+    plain = train_lib.train(dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, out_dir=str(tmp_path / "plain"))))
+    assert final["final_val_loss"] == pytest.approx(plain["final_val_loss"],
+                                                    abs=2e-3)
+  with pytest.raises(ValueError, match="XLA_FLAGS"):
+    train_lib.parse_mesh("data=4,model=4")
+
+
+def test_blockwise_split_qkv_needs_whole_heads_per_shard(tmp_path):
+  cfg = config_lib.run_config(SMALL + [  # 2 heads over 4 model shards
+      "optim.optimizer=muon", "optim.muon_tp_mode=blockwise",
+      f"train.out_dir={tmp_path}"])
+  with pytest.raises(ValueError, match="split_qkv cannot split"):
+    train_lib.train(cfg, mesh=train_lib.parse_mesh("data=2,model=4"))

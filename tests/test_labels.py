@@ -16,7 +16,7 @@ def _labels_by_path(cfg, **kwargs):
   pairs, _ = _paths.leaves_with_paths(labels)
   shapes = dict(_paths.leaves_with_paths(
       jax.tree.map(lambda x: x.shape, params), is_leaf=lambda x: isinstance(x, tuple))[0])
-  return {"/".join(p[:-1]): (label, shapes[p]) for p, label in pairs}
+  return {"/".join(p): (label, shapes[p]) for p, label in pairs}
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ FLOPs counting the model's 6·N·tokens and Muon's Newton–Schulz).
 """
 
 import argparse
+import dataclasses
 import json
 import logging
 import pathlib
@@ -70,11 +71,16 @@ def plot(runs: dict, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
-def compare(overrides=(), sweeps=None, out="results") -> dict:
+def _as_dict(cfg) -> dict:
+  return json.loads(json.dumps(dataclasses.asdict(cfg), default=float))
+
+
+def compare(overrides=(), sweeps=None, out="results", reuse=True) -> dict:
+  """Sweeps, picks each optimizer's best lr, writes the results; with
+  ``reuse`` a run whose settings match a finished one is read, not redone."""
   base = config_lib.run_config(overrides)
   sweeps = sweeps or SWEEPS[base.preset]
   root = pathlib.Path(out) / base.preset
-  shutil.rmtree(root / "runs", ignore_errors=True)
   best, sweep_table = {}, []
   for optimizer, lrs in sweeps.items():
     for lr in lrs:
@@ -84,7 +90,14 @@ def compare(overrides=(), sweeps=None, out="results") -> dict:
           f"optim.optimizer={optimizer}", f"optim.lr={lr}",
           f"train.name={name}", f"train.out_dir={run_dir}",
           "train.progress=false"])
-      final = train_lib.train(cfg)
+      finished = run_dir / "final.json"
+      if reuse and finished.exists() and json.loads((run_dir / "config.json")
+                                                   .read_text()) == _as_dict(cfg):
+        final = json.loads(finished.read_text())  # the same run, done before
+      else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        final = train_lib.train(cfg)
+        (run_dir / "config.json").write_text(json.dumps(_as_dict(cfg)))
       sweep_table.append({"optimizer": optimizer, "lr": lr,
                           "final_val_loss": final["final_val_loss"]})
       print(f"  {name}: val loss {final['final_val_loss']:.4f}", flush=True)
@@ -113,9 +126,22 @@ def main(argv=None):
   parser.add_argument("overrides", nargs="*",
                       help="preset=tiny|small and model./train./optim. fields")
   parser.add_argument("--out", default="results")
+  parser.add_argument("--lrs", nargs="+", metavar="OPTIMIZER=LR,LR",
+                      help="the sweep, e.g. adam=2e-3,4e-3 muon=4e-3")
+  parser.add_argument("--fresh", action="store_true",
+                      help="rerun every run, even finished ones")
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.WARNING)
-  summary = compare(args.overrides, out=args.out)
+  sweeps = None
+  if args.lrs:
+    sweeps = {}
+    for item in args.lrs:
+      name, _, lrs = item.partition("=")
+      if name not in ("adam", "muon") or not lrs:
+        raise ValueError(f"--lrs {item!r}: expected adam=LR,LR or muon=LR,LR")
+      sweeps[name] = tuple(float(lr) for lr in lrs.split(","))
+  summary = compare(args.overrides, sweeps=sweeps, out=args.out,
+                    reuse=not args.fresh)
   for optimizer, run in summary["best"].items():
     print(f"{optimizer}: final val loss {run['final_val_loss']:.4f} "
           f"(best lr {run['lr']:g})")

@@ -43,8 +43,20 @@ class GPTConfig:
                        f"model.n_head={self.n_head}")
 
 
-def _dense(n_in, n_out, rngs, use_bias=True):
-  return nnx.Linear(n_in, n_out, use_bias=use_bias, rngs=rngs)
+# Megatron's tensor parallelism on a (data, model) mesh: QKV and the MLP's
+# first layer split their outputs (column-parallel), the projections back
+# split their inputs (row-parallel).
+COLUMN, ROW = (None, "model"), ("model", None)
+
+
+def _dense(n_in, n_out, rngs, use_bias=True, sharding=None):
+  kernel_init = nnx.initializers.lecun_normal()
+  bias_init = nnx.initializers.zeros_init()
+  if sharding is not None:
+    kernel_init = nnx.with_partitioning(kernel_init, sharding)
+    bias_init = nnx.with_partitioning(bias_init, (sharding[1],))
+  return nnx.Linear(n_in, n_out, use_bias=use_bias, kernel_init=kernel_init,
+                    bias_init=bias_init, rngs=rngs)
 
 
 class Attention(nnx.Module):
@@ -55,12 +67,13 @@ class Attention(nnx.Module):
     d, hd = cfg.n_embd, cfg.head_dim
     if cfg.fused_qkv:
       # Megatron's grouped layout: per KV group [q_g | k_g | v_g].
-      self.qkv = _dense(d, (cfg.n_head + 2 * cfg.kv_heads) * hd, rngs, False)
+      self.qkv = _dense(d, (cfg.n_head + 2 * cfg.kv_heads) * hd, rngs, False,
+                        COLUMN)
     else:
-      self.query = _dense(d, cfg.n_head * hd, rngs, False)
-      self.key = _dense(d, cfg.kv_heads * hd, rngs, False)
-      self.value = _dense(d, cfg.kv_heads * hd, rngs, False)
-    self.proj = _dense(cfg.n_head * hd, d, rngs, False)
+      self.query = _dense(d, cfg.n_head * hd, rngs, False, COLUMN)
+      self.key = _dense(d, cfg.kv_heads * hd, rngs, False, COLUMN)
+      self.value = _dense(d, cfg.kv_heads * hd, rngs, False, COLUMN)
+    self.proj = _dense(cfg.n_head * hd, d, rngs, False, ROW)
 
   def __call__(self, x):
     cfg, (b, t, _) = self.cfg, x.shape
@@ -82,8 +95,8 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
 
   def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
-    self.fc = _dense(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, rngs)
-    self.proj = _dense(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd, rngs)
+    self.fc = _dense(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, rngs, True, COLUMN)
+    self.proj = _dense(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd, rngs, True, ROW)
 
   def __call__(self, x):
     return self.proj(jax.nn.gelu(self.fc(x)))
@@ -124,12 +137,19 @@ class GPT(nnx.Module):
   """Byte-level GPT: ``(batch, time)`` int tokens to ``(batch, time, vocab)``."""
 
   def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    # Sharding annotations place the params only under a mesh
+    # (jax.set_mesh); without one they are metadata.
+    with nnx.use_eager_sharding(not jax.sharding.get_abstract_mesh().empty):
+      self._build(cfg, rngs)
+
+  def _build(self, cfg: GPTConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.wte = nnx.Embed(cfg.vocab_size, cfg.n_embd, rngs=rngs)
     self.wpe = nnx.Embed(cfg.block_size, cfg.n_embd, rngs=rngs)
     if cfg.scan_layers:
       @nnx.split_rngs(splits=cfg.n_layer)
-      @nnx.vmap(in_axes=(0,), out_axes=0)
+      @nnx.vmap(in_axes=(0,), out_axes=0,
+                transform_metadata={nnx.PARTITION_NAME: None})
       def stacked_blocks(rngs):
         return Block(cfg, rngs)
       self.blocks = stacked_blocks(rngs)

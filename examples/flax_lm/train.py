@@ -9,6 +9,7 @@ Everything a run writes goes under ``train.out_dir`` (``runs/<name>``):
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -67,12 +68,32 @@ def newton_schulz_flops(params, labels, steps: int) -> float:
   return total
 
 
-def build(cfg: config_lib.RunConfig):
+def parse_mesh(text: str) -> jax.sharding.Mesh:
+  """``"data=2,model=4"`` as a mesh of Auto axes over the local devices."""
+  try:
+    sizes = {k.strip(): int(v) for k, v in (p.split("=") for p in text.split(","))}
+  except ValueError:
+    raise ValueError(f"--mesh {text!r}: expected e.g. data=2,model=4") from None
+  if set(sizes) - {"data", "model"} or not sizes:
+    raise ValueError(f"--mesh {text!r}: accepted axes are data and model")
+  needed = math.prod(sizes.values())
+  if needed > jax.device_count():
+    raise ValueError(
+        f"--mesh {text!r} needs {needed} devices and {jax.device_count()} are "
+        "present; on a CPU set XLA_FLAGS=--xla_force_host_platform_device_count"
+        f"={needed} before starting Python")
+  return jax.make_mesh(tuple(sizes.values()), tuple(sizes),
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+
+
+def build(cfg: config_lib.RunConfig, mesh=None):
   """Model graph, params, optimizer, its state, and the jitted step/eval."""
-  model = GPT(cfg.model, nnx.Rngs(cfg.train.seed))
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    model = GPT(cfg.model, nnx.Rngs(cfg.train.seed))
   graphdef, params = nnx.split(model)
+  specs = nnx.get_partition_spec(params) if mesh is not None else None
   tx = cfg.optim.build(learning_rate_schedule(cfg), params=params,
-                       split_qkv=split_qkv_of(cfg))
+                       split_qkv=split_qkv_of(cfg), mesh=mesh, specs=specs)
   labels = om.default_labels(params)
   muon_leaves = {key: path for key, (path, label) in named_leaves(labels).items()
                  if label == "muon" and cfg.optim.optimizer == "muon"}
@@ -114,12 +135,20 @@ def _read_metrics(path: pathlib.Path, upto: int) -> list[str]:
           if line.strip() and json.loads(line)["step"] <= upto]
 
 
-def train(cfg: config_lib.RunConfig, *, resume: bool = False) -> dict:
+def train(cfg: config_lib.RunConfig, *, resume: bool = False,
+          mesh=None) -> dict:
   """Runs (or resumes) training; returns the contents of ``final.json``."""
   out = pathlib.Path(cfg.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   corpus = ByteCorpus(cfg.train.data, max_bytes=cfg.train.max_bytes)
-  _, params, _, opt_state, train_step, eval_loss, labels = build(cfg)
+  _, params, _, opt_state, train_step, eval_loss, labels = build(cfg, mesh)
+  if mesh is not None:  # batches split over the data axis
+    data_sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(
+            "data" if "data" in mesh.axis_names else None))
+    put = lambda batch: tuple(jax.device_put(x, data_sharding) for x in batch)
+  else:
+    put = lambda batch: batch
   checkpoints = checkpoint_lib.Checkpointer(out / "checkpoints",
                                             cfg.train.keep_checkpoints)
   start = 0
@@ -149,8 +178,8 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False) -> dict:
   wall = 0.0
   with metrics_path.open("a") as log:
     for step in bar:
-      inputs, targets = corpus.batch("train", step, cfg.train.batch_size,
-                                     cfg.model.block_size, cfg.train.seed)
+      inputs, targets = put(corpus.batch("train", step, cfg.train.batch_size,
+                                         cfg.model.block_size, cfg.train.seed))
       begin = time.perf_counter()
       params, opt_state, metrics = train_step(params, opt_state, inputs,
                                               targets)
@@ -193,13 +222,16 @@ def main(argv=None):
   parser.add_argument("--resume", action="store_true",
                       help="continue from the newest good checkpoint")
   parser.add_argument("--data", help="a text file or folder to train on")
+  parser.add_argument("--mesh", help="e.g. data=2,model=4: shard the params "
+                      "(tensor parallel over model, batches over data)")
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(message)s")
   overrides = list(args.overrides)
   if args.data:
     overrides.append(f"train.data={args.data}")
   cfg = config_lib.run_config(overrides)
-  final = train(cfg, resume=args.resume)
+  mesh = parse_mesh(args.mesh) if args.mesh else None
+  final = train(cfg, resume=args.resume, mesh=mesh)
   print(f"{cfg.name}: final val loss {final['final_val_loss']:.4f} "
         f"after {final['steps']} steps ({cfg.out_dir})")
   return final

@@ -1,0 +1,284 @@
+"""Sharded Muon on 8 simulated CPU devices: the four tensor-parallel modes,
+the collectives they compile to, shardings kept, and the data-parallel split."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import optax_muon as om
+
+SPLIT = om.SplitQKV(num_heads=8, num_kv_heads=8, head_dim=4)  # 8 groups of 12
+MESHES = [(8,), (2, 4), (4, 2)]
+
+
+def _mesh(shape, axis_type=AxisType.Explicit):
+  names = ("model",) if len(shape) == 1 else ("data", "model")
+  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+
+
+def _tree():
+  keys = iter(jax.random.split(jax.random.key(0), 8))
+  normal = lambda shape: jax.random.normal(next(keys), shape)
+  params = {"wide_in": normal((32, 64)), "wide_out": normal((32, 64)),
+            "tall_in": normal((64, 32)), "tall_out": normal((64, 32)),
+            "stacked": normal((2, 32, 48)), "attn": {"qkv": normal((32, 96))}}
+  specs = {"wide_in": P("model", None), "wide_out": P(None, "model"),
+           "tall_in": P("model", None), "tall_out": P(None, "model"),
+           "stacked": P(None, None, "model"), "attn": {"qkv": P(None, "model")}}
+  return params, specs
+
+
+def _put(tree, specs, mesh):
+  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+                      tree, specs)
+
+
+def _sharded_update(tx, params, mesh):
+  with jax.set_mesh(mesh):
+    state = tx.init(params)
+    return jax.jit(tx.update)(params, state, params)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+@pytest.mark.parametrize("mode", ["duplicated", "distributed", "allgather"])
+def test_full_matrix_modes_equal_the_unsharded_update(mesh_shape, mode):
+  mesh = _mesh(mesh_shape)
+  params, specs = _tree()
+  reference = om.scale_by_muon(split_qkv=SPLIT)
+  expected, _ = reference.update(params, reference.init(params))
+  tx = om.scale_by_muon(split_qkv=SPLIT,
+                        sharding=om.TensorParallel(mesh, mode=mode))
+  updates, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
+  for got, want in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_blockwise_is_newton_schulz_of_each_shard_with_its_shape():
+  mesh = _mesh((2, 4))
+  params, specs = _tree()
+  tx = om.scale_by_muon(split_qkv=SPLIT,
+                        sharding=om.TensorParallel(mesh, mode="blockwise"))
+  updates, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
+  updates = jax.tree.map(np.asarray, updates)
+  x = params["wide_out"]
+  for r in range(4):
+    shard = x[:, r * 16:(r + 1) * 16]  # (32, 16): its own matrix and scale
+    np.testing.assert_allclose(updates["wide_out"][:, r * 16:(r + 1) * 16],
+                               om.newton_schulz(shard) * np.sqrt(32), atol=1e-5)
+  x = params["tall_in"]
+  for r in range(4):
+    shard = x[r * 16:(r + 1) * 16]  # (16, 32)
+    np.testing.assert_allclose(updates["tall_in"][r * 16:(r + 1) * 16],
+                               om.newton_schulz(shard) * np.sqrt(32), atol=1e-5)
+  # each shard of the column-parallel QKV holds whole heads: Q, K, V split
+  shard = params["attn"]["qkv"][:, :24]  # 2 groups of [q | k | v], 4 wide each
+  groups = shard.reshape(32, 2, 12)
+  pieces = [groups[..., i * 4:(i + 1) * 4].reshape(32, 8) for i in range(3)]
+  expected = jnp.concatenate([(om.newton_schulz(p) * np.sqrt(32)).reshape(
+      32, 2, 4) for p in pieces], axis=-1).reshape(32, 24)
+  np.testing.assert_allclose(updates["attn"]["qkv"][:, :24], expected, atol=1e-5)
+
+
+def _collectives(tx, params, specs, mesh):
+  sharded = _put(params, specs, mesh)
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(lambda u: tx.update(u, tx.init(u))[0]).lower(
+        sharded).compile().as_text()
+  names = ("all-gather", "all-reduce", "all-to-all", "collective-permute",
+           "reduce-scatter")
+  shape = r"(?:\([^)]*\)|\S+)"  # an array shape or a tuple of them
+  return hlo, {n: len(re.findall(rf"= {shape} {n}(-start)?\(", hlo))
+               for n in names}
+
+
+def _only(counts, **expected):
+  return {k: v for k, v in counts.items() if v} == {
+      k.replace("_", "-"): v for k, v in expected.items()}
+
+
+@pytest.mark.parametrize("spec", [P("model", None), P(None, "model")])
+def test_blockwise_and_sharded_batch_axes_need_no_collectives(spec):
+  mesh = _mesh((2, 4))
+  x = {"w": jnp.ones((32, 64))}
+  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="blockwise"))
+  assert _only(_collectives(tx, x, {"w": spec}, mesh)[1])
+  stacked = {"w": jnp.ones((8, 32, 64))}
+  for mode in ("duplicated", "distributed", "allgather"):
+    tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode=mode))
+    assert _only(_collectives(tx, stacked, {"w": P("model", None, None)},
+                              mesh)[1]), mode
+
+
+def test_duplicated_gathers_each_leaf_once():
+  mesh = _mesh((2, 4))
+  tree = {"a": jnp.ones((32, 64)), "b": jnp.ones((64, 32))}
+  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="duplicated"))
+  _, counts = _collectives(tx, tree, {"a": P(None, "model"),
+                                      "b": P("model", None)}, mesh)
+  assert _only(counts, all_gather=2)
+
+
+def test_distributed_all_reduces_the_gram_matrix_once_per_step():
+  mesh = _mesh((2, 4))
+  steps = 5
+  tx = om.orthogonalize(steps=steps,
+                        sharding=om.TensorParallel(mesh, mode="distributed"))
+  hlo, counts = _collectives(tx, {"w": jnp.ones((32, 64))},
+                             {"w": P(None, "model")}, mesh)
+  gram = re.findall(r"= f32\[1,32,32\]\{[^}]*\} all-reduce(-start)?\(", hlo)
+  assert len(gram) == 1  # in the loop body ...
+  trip = re.findall(r'known_trip_count":\{"n":"(\d+)"', hlo)
+  assert trip == [str(steps)]  # ... which runs `steps` times
+  scalars = re.findall(r"= \S*f32\[1,1,1\]\S* all-reduce(-start)?\(", hlo)
+  assert len(scalars) == 2  # max and norm² of the normalization
+  assert _only(counts, all_reduce=3)
+
+
+def test_allgather_uses_all_to_all_and_no_full_gather():
+  mesh = _mesh((2, 4))
+  tree = {f"w{i}": jnp.ones((32, 64)) for i in range(4)}
+  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="allgather"))
+  _, counts = _collectives(tx, tree, {k: P(None, "model") for k in tree}, mesh)
+  assert _only(counts, all_to_all=2)
+  # fewer matrices than ranks: falls back to duplicated (one gather a leaf)
+  small = {f"w{i}": jnp.ones((32, 64)) for i in range(3)}
+  _, counts = _collectives(tx, small, {k: P(None, "model") for k in small}, mesh)
+  assert _only(counts, all_gather=3)
+
+
+def test_fsdp_axis_is_gathered_for_the_matrix_and_resplit():
+  mesh = _mesh((2, 4))
+  x = jax.random.normal(jax.random.key(1), (32, 64))
+  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="duplicated"))
+  out, _ = _sharded_update(tx, _put({"w": x}, {"w": P("data", "model")}, mesh),
+                           mesh)
+  assert out["w"].sharding.spec == P("data", "model")
+  np.testing.assert_allclose(out["w"], om.newton_schulz(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_updates_and_state_keep_the_param_sharding(axis_type):
+  mesh = _mesh((2, 4), axis_type)
+  params, specs = _tree()
+  tp = om.TensorParallel(mesh, mode="duplicated", specs=specs)
+  tx = om.muon(0.01, split_qkv=SPLIT, sharding=tp, labels=jax.tree.map(
+      lambda _: "muon", params))
+  sharded = _put(params, specs, mesh)
+  with jax.set_mesh(mesh):
+    state = jax.jit(tx.init)(sharded)
+    updates, state = jax.jit(tx.update)(sharded, state, sharded)
+  want = jax.tree.leaves(jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+  for got, expected in zip(jax.tree.leaves(updates), want):
+    assert got.sharding.is_equivalent_to(expected, got.ndim)
+  momentum = state.inner_states["muon"].inner_state[0][0].mu
+  for got, expected in zip(jax.tree.leaves(momentum), want):
+    assert got.sharding.is_equivalent_to(expected, got.ndim)
+
+
+def test_zero1_momentum_sharding_splits_state_over_data():
+  mesh = _mesh((2, 4), AxisType.Auto)
+  params, specs = _tree()
+  tx = om.scale_by_muon(split_qkv=SPLIT, sharding=om.TensorParallel(
+      mesh, mode="duplicated", specs=specs))
+  sharded = _put(params, specs, mesh)
+  state = tx.init(sharded)
+  zero1 = om.zero1_sharding(state[0].mu, mesh, "data", specs=specs)
+  assert zero1["wide_out"].spec == P("data", "model")
+  assert zero1["stacked"].spec == P("data", None, "model")
+  state = (state[0]._replace(mu=jax.device_put(state[0].mu, zero1)),) + state[1:]
+  per_device = lambda t: sum(s.data.nbytes for x in jax.tree.leaves(t)
+                             for s in x.addressable_shards[:1])
+  tp_only = tx.init(sharded)[0].mu  # sharded like the params: 1/4 each
+  assert per_device(tp_only) * 4 == sum(x.nbytes for x in jax.tree.leaves(
+      tp_only))
+  assert per_device(state[0].mu) * 2 == per_device(tp_only)
+  updates, new_state = jax.jit(tx.update)(sharded, state)
+  expected, _ = jax.jit(tx.update)(sharded, tx.init(sharded))
+  for got, want in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_distribute_over_data_splits_the_newton_schulz_work():
+  mesh = _mesh((8, 1))
+  tree = {f"w{i}": jax.random.normal(jax.random.key(i), (64, 128))
+          for i in range(8)}
+  specs = {k: P() for k in tree}
+
+  def flops(distribute_over):
+    tx = om.orthogonalize(sharding=om.TensorParallel(
+        mesh, mode="duplicated", distribute_over=distribute_over))
+    sharded = _put(tree, specs, mesh)
+    with jax.set_mesh(mesh):
+      f = jax.jit(lambda u: tx.update(u, optax.EmptyState())[0])
+      compiled = f.lower(sharded).compile()
+      return compiled.cost_analysis()["flops"], f(sharded)
+
+  split, split_out = flops("data")
+  whole, whole_out = flops(None)
+  assert split <= whole / 4
+  for k in tree:
+    np.testing.assert_allclose(split_out[k], whole_out[k], atol=1e-5)
+
+
+class _Model(nnx.Module):
+
+  def __init__(self, rngs):
+    init = nnx.initializers.lecun_normal()
+    self.up = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(
+        init, (None, "model")), use_bias=False, rngs=rngs)
+    self.down = nnx.Linear(64, 16, kernel_init=nnx.with_partitioning(
+        init, ("model", None)), use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(jax.nn.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("mode", ["duplicated", "distributed"])
+def test_flax_model_with_partitioning_trains(mode):
+  mesh = _mesh((2, 4), AxisType.Auto)
+  with jax.set_mesh(mesh):
+    model = _Model(nnx.Rngs(0))
+    specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+    tp = om.TensorParallel(mesh, mode=mode, specs=specs)
+    optimizer = nnx.Optimizer(model, om.muon(0.02, sharding=tp), wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(0), (32, 16))
+
+    @nnx.jit
+    def step(model, optimizer):
+      loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - x) ** 2))(model)
+      optimizer.update(model, grads)
+      return loss
+
+    losses = [float(step(model, optimizer)) for _ in range(3)]
+  assert losses[2] < losses[0]
+  assert model.up.kernel.sharding.spec == P(None, "model")
+
+
+def test_bad_sharding_settings_raise():
+  mesh = _mesh((2, 4))
+  with pytest.raises(ValueError, match="sharding.axis"):
+    om.TensorParallel(mesh, axis="tensor")
+  with pytest.raises(ValueError, match="sharding.mode"):
+    om.TensorParallel(mesh, mode="sequence")
+  with pytest.raises(ValueError, match="distribute_over"):
+    om.TensorParallel(mesh, distribute_over="model")
+  tree = {"w": jnp.ones((30, 64))}
+  with pytest.raises(ValueError, match="does not divide"):
+    om.orthogonalize(sharding=om.TensorParallel(
+        mesh, specs={"w": P("model", None)})).init(tree)
+  with pytest.raises(ValueError, match="entries"):
+    om.orthogonalize(sharding=om.TensorParallel(
+        mesh, specs={"w": P("model", None, None)})).init(tree)
+  with pytest.raises(ValueError, match="not an axis"):
+    om.orthogonalize(sharding=om.TensorParallel(
+        mesh, specs={"w": P("tensor", None)})).init(tree)
+  auto = _mesh((2, 4), AxisType.Auto)
+  with pytest.raises(ValueError, match="specs"):
+    om.orthogonalize(sharding=om.TensorParallel(auto)).update(
+        tree, optax.EmptyState())
