@@ -12,7 +12,9 @@ handled by ``TensorParallel.mode`` (Megatron-Core's ``muon_tp_mode``):
   rank, keep this rank's chunk;
 * ``distributed``: keep the shard; the sharded side is the columns, so the
   Gram matrix ``X Xᵀ`` is a sum over ranks (one all-reduce per step, plus the
-  scalar max and norm of the normalization);
+  scalar max and norm of the normalization). When the sharded side is the
+  short one the Gram matrix would be the large one, so such a leaf is
+  gathered as in ``duplicated`` (one all-gather moves less);
 * ``allgather``: same-shape leaves are stacked and re-laid out with one
   all-to-all so that each rank holds whole matrices, orthogonalizes its share,
   and a second all-to-all puts them back. A group with fewer leaves than
@@ -207,6 +209,14 @@ def orthogonalize_sharded(leaves, views, tp: TensorParallel, specs,
       if tp_dim is not None and mode in ("distributed", "allgather") and (
           view.widths):
         mode = "duplicated"  # split QKV pieces are gathered per leaf
+      if mode == "distributed" and tp_dim is not None:
+        sharded_side = (view.fan_in if tp_dim in view.reduction_axes
+                        else view.fan_out)
+        if sharded_side < min(view.fan_in, view.fan_out) or (
+            sharded_side == min(view.fan_in, view.fan_out) and
+            view.fan_in != view.fan_out):
+          # the Gram matrix would be of the long side: one gather moves less
+          mode = "duplicated"
       if tp_dim is None or mode == "blockwise":
         local = local_view(view, x.shape)
         jobs.append(_Job(local.to_matrices(x),

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU benchmark run: NS at precision "medium" and "high" up to 8192×28672,
+# our update against optax.contrib.muon, state memory and the train step.
+# Writes JSON lines into the folder named by the first argument.
+#   usage: benchmarks/gpu.sh OUT_DIR [--quick]     (--quick: small, runs on CPU)
+set -euo pipefail
+out=${1:?usage: benchmarks/gpu.sh OUT_DIR [--quick]}
+quick=${2:-}
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python}
+mkdir -p "$out"
+if [ "$quick" = "--quick" ]; then
+  shapes=128x512; rate=256
+else
+  shapes=1024x4096,4096x4096,4096x14336,8192x28672; rate=8192
+fi
+"$py" benchmarks/ns_roofline.py $quick --shapes "$shapes" \
+  --precisions medium,high --rate-size "$rate" > "$out/ns_roofline.jsonl"
+"$py" benchmarks/update_vs_optax.py $quick > "$out/update_vs_optax.jsonl"
+"$py" benchmarks/memory.py $quick > "$out/memory.jsonl"
+"$py" benchmarks/train_step.py $quick > "$out/train_step.jsonl"
+echo "wrote $(ls "$out" | wc -l) files to $out"

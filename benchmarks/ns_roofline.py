@@ -1,0 +1,59 @@
+"""Newton–Schulz time over the time its matmul FLOPs take at the measured rate.
+
+    python benchmarks/ns_roofline.py [--quick]
+
+Prints one JSON line per (shape, schedule, precision): ``ratio`` = NS time /
+(``T·(4m²n + 2m³)`` / the FLOP rate of a square matmul timed in the same
+process). 1.0 is the matmul limit.
+"""
+
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import jax  # noqa: E402
+
+import optax_muon as om  # noqa: E402
+from _timing import emit, interleaved, matmul_rate, ns_flops  # noqa: E402
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--shapes", help="e.g. 1024x4096,8192x28672")
+  parser.add_argument("--precisions", help="e.g. highest,medium")
+  parser.add_argument("--rate-size", type=int,
+                      help="side of the square matmul that measures the rate")
+  args = parser.parse_args()
+  quick = args.quick
+  shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+            if args.shapes else [(128, 512)] if quick else
+            [(512, 2048), (1024, 1024), (1024, 4096)])
+  schedules = ["quintic", "cubic5"] if quick else ["quintic", "polar_express",
+                                                   "cubic5"]
+  precisions = (args.precisions.split(",") if args.precisions else
+                ["highest"] if quick else ["highest", "medium"])
+  steps = 5
+  for precision in precisions:
+    rate = matmul_rate(args.rate_size or (256 if quick else 1024),
+                       {"highest": jax.lax.Precision.HIGHEST}.get(
+                           precision, jax.lax.Precision.DEFAULT),
+                       "bfloat16" if precision == "medium" else "float32")
+    for m, n in shapes:
+      x = jax.random.normal(jax.random.key(0), (m, n))
+      for schedule in schedules:
+        fn = jax.jit(functools.partial(om.newton_schulz, coefficients=schedule,
+                                       steps=steps, precision=precision))
+        seconds = interleaved({"ns": (fn, (x,))}, rounds=3 if quick else 5)["ns"]
+        flops = ns_flops(m, n, steps, cubic=schedule == "cubic5")
+        emit({"benchmark": "ns_roofline", "shape": [m, n], "schedule": schedule,
+              "precision": precision, "seconds": seconds,
+              "matmul_flops_per_s": rate, "roofline_seconds": flops / rate,
+              "ratio": seconds / (flops / rate),
+              "device": jax.devices()[0].device_kind})
+
+
+if __name__ == "__main__":
+  main()

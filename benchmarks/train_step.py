@@ -1,0 +1,51 @@
+"""Muon train step over AdamW train step on the example model.
+
+    python benchmarks/train_step.py [--quick] [preset=small ...]
+
+Both steps are the example's jitted ``train_step`` (forward, backward,
+optimizer, donated buffers) on the same batch, timed in alternation.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import jax  # noqa: E402
+
+from _timing import emit, quick_flag, time_once  # noqa: E402
+from examples.flax_lm import config as config_lib  # noqa: E402
+from examples.flax_lm import train as train_lib  # noqa: E402
+from examples.flax_lm.data import ByteCorpus  # noqa: E402
+import statistics  # noqa: E402
+
+
+def main():
+  quick = quick_flag()
+  overrides = [a for a in sys.argv[1:] if "=" in a] or (
+      ["preset=tiny", "train.batch_size=4"] if quick else ["preset=small"])
+  corpus = ByteCorpus(max_bytes=500_000)
+  states, samples = {}, {}
+  for optimizer in ("muon", "adam"):
+    cfg = config_lib.run_config(overrides + [f"optim.optimizer={optimizer}"])
+    _, params, _, opt_state, step, _, _ = train_lib.build(cfg)
+    batch = corpus.batch("train", 0, cfg.train.batch_size, cfg.model.block_size)
+    params, opt_state, _ = step(params, opt_state, *batch)  # compile
+    states[optimizer] = [step, params, opt_state, batch]
+    samples[optimizer] = []
+  for _ in range(3 if quick else 15):
+    for optimizer, entry in states.items():
+      step, params, opt_state, batch = entry
+
+      def run():
+        entry[1], entry[2], metrics = step(entry[1], entry[2], *batch)
+        return metrics
+
+      samples[optimizer].append(time_once(run))
+  median = {k: statistics.median(v) for k, v in samples.items()}
+  emit({"benchmark": "train_step", "overrides": overrides, "seconds": median,
+        "muon_over_adamw": median["muon"] / median["adam"]})
+
+
+if __name__ == "__main__":
+  main()
