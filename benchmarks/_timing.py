@@ -30,19 +30,11 @@ def interleaved(candidates: dict, rounds: int = 7, warmup: int = 2) -> dict:
   return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def matmul_rate(n: int = 1024, precision=jax.lax.Precision.HIGHEST,
-                dtype="float32") -> float:
-  """FLOP/s of one square fp32 matmul: the machine's measured matmul limit."""
-  a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-  f = jax.jit(lambda a, b: jax.numpy.matmul(a, b, precision=precision))
-  seconds = interleaved({"mm": (f, (a, a))}, rounds=9)["mm"]
-  return 2 * n ** 3 / seconds
-
-
 def ns_flops(m: int, n: int, steps: int, cubic: bool = False) -> float:
-  """``T·(4m²n + 2m³)`` for an m×n matrix, m ≤ n (``2m²n`` less when c = 0)."""
+  """``T·(4m²n + 2m³)`` for an m×n matrix, m ≤ n: ``X Xᵀ`` and ``B X`` take
+  ``2m²n`` each, ``A A`` ``2m³``, which a cubic schedule (c = 0) skips."""
   m, n = min(m, n), max(m, n)
-  return steps * ((2 if cubic else 4) * m * m * n + (0 if cubic else 2 * m ** 3))
+  return steps * (4 * m * m * n + (0 if cubic else 2 * m ** 3))
 
 
 def emit(record: dict) -> None:

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 
 import optax_muon as om  # noqa: E402
-from _timing import emit, interleaved, matmul_rate, ns_flops  # noqa: E402
+from _timing import emit, interleaved, ns_flops  # noqa: E402
 
 
 def main():
@@ -37,23 +37,27 @@ def main():
                 ["highest"] if quick else ["highest", "medium"])
   steps = 5
   for precision in precisions:
-    rate = matmul_rate(args.rate_size or (256 if quick else 1024),
-                       {"highest": jax.lax.Precision.HIGHEST}.get(
-                           precision, jax.lax.Precision.DEFAULT),
-                       "bfloat16" if precision == "medium" else "float32")
+    side = args.rate_size or (256 if quick else 1024)
+    level = {"highest": jax.lax.Precision.HIGHEST}.get(
+        precision, jax.lax.Precision.DEFAULT)
+    square = jax.random.normal(jax.random.key(1), (side, side),
+                               "bfloat16" if precision == "medium" else "float32")
+    matmul = jax.jit(lambda a: jax.numpy.matmul(a, a, precision=level))
     for m, n in shapes:
       x = jax.random.normal(jax.random.key(0), (m, n))
       for schedule in schedules:
         fn = jax.jit(functools.partial(om.newton_schulz, coefficients=schedule,
                                        steps=steps, precision=precision))
-        seconds = interleaved({"ns": (fn, (x,))}, rounds=3 if quick else 5)["ns"]
+        # the rate is timed in the same rounds as NS, so drift cancels
+        times = interleaved({"ns": (fn, (x,)), "matmul": (matmul, (square,))},
+                            rounds=3 if quick else 7)
+        rate = 2 * side ** 3 / times["matmul"]
         flops = ns_flops(m, n, steps, cubic=schedule == "cubic5")
         emit({"benchmark": "ns_roofline", "shape": [m, n], "schedule": schedule,
-              "precision": precision, "seconds": seconds,
+              "precision": precision, "seconds": times["ns"],
               "matmul_flops_per_s": rate, "roofline_seconds": flops / rate,
-              "ratio": seconds / (flops / rate),
+              "ratio": times["ns"] / (flops / rate),
               "device": jax.devices()[0].device_kind})
-
 
 if __name__ == "__main__":
   main()
