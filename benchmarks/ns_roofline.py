@@ -16,7 +16,23 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 
 import optax_muon as om  # noqa: E402
+import importlib  # noqa: E402
+newton_schulz = importlib.import_module("optax_muon.newton_schulz")
 from _timing import emit, interleaved, ns_flops  # noqa: E402
+
+
+def gram_record(x, precision, steps) -> dict:
+  """Gram Newton–Schulz against the standard form: time ratio vs FLOP ratio."""
+  m, n = x.shape
+  forms = {method: jax.jit(lambda u, o=om.orthogonalize(
+      steps=steps, precision=precision, method=method): o.update(
+          {"w": u}, None)[0]["w"]) for method in ("standard", "gram")}
+  times = interleaved({k: (f, (x,)) for k, f in forms.items()}, rounds=5)
+  flop_ratio = newton_schulz.gram_flops(m, n, steps) / ns_flops(m, n, steps)
+  return {"benchmark": "gram", "shape": [m, n], "precision": precision,
+          "time_ratio": times["gram"] / times["standard"],
+          "flop_ratio": flop_ratio,
+          "max_abs_diff": float(abs(forms["gram"](x) - forms["standard"](x)).max())}
 
 
 def main():
@@ -30,7 +46,7 @@ def main():
   quick = args.quick
   shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
             if args.shapes else [(128, 512)] if quick else
-            [(512, 2048), (1024, 1024), (1024, 4096)])
+            [(512, 2048), (1024, 1024), (1024, 4096), (1024, 8192)])
   schedules = ["quintic", "cubic5"] if quick else ["quintic", "polar_express",
                                                    "cubic5"]
   precisions = (args.precisions.split(",") if args.precisions else
@@ -58,6 +74,8 @@ def main():
               "matmul_flops_per_s": rate, "roofline_seconds": flops / rate,
               "ratio": times["ns"] / (flops / rate),
               "device": jax.devices()[0].device_kind})
+      if newton_schulz.gram_saves_flops(m, n):  # quintic, Gram vs standard
+        emit(gram_record(x, precision, steps))
 
 if __name__ == "__main__":
   main()

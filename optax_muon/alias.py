@@ -75,7 +75,7 @@ def scale_by_muon(*, beta=0.95, nesterov: bool = True,
     coefficients: Newton–Schulz schedule name or list of ``(a, b, c)``.
     steps: Newton–Schulz steps.
     precision: ``"highest"``, ``"high"`` or ``"medium"``.
-    method: ``"standard"``.
+    method: ``"standard"`` or ``"gram"`` (see ``orthogonalize``).
     scale_mode: ``"spectral"``, ``"shape_scaling"`` or ``"unit_rms_norm"``.
     extra_scale_factor: factor after the shape scale; default 1.0.
     match_adamw_update_rms: derive the factor from ``adamw_beta1`` instead.

@@ -70,6 +70,58 @@ def iterate(x: jax.Array, table: np.ndarray, mode: str, steps,
   return jax.lax.fori_loop(0, steps, step, x)
 
 
+GRAM_MIN_ASPECT = 2.5  # below it the Gram form saves no FLOPs
+
+
+def gram_saves_flops(m: int, n: int) -> bool:
+  """Whether the Gram form pays for an m×n matrix (``n/m ≥ 2.5``, m ≤ n)."""
+  return max(m, n) >= GRAM_MIN_ASPECT * min(m, n)
+
+
+def iterate_gram(x: jax.Array, table: np.ndarray, mode: str, steps: int,
+                 precision: str, restart: int = 2) -> jax.Array:
+  """``iterate`` on the m×m Gram matrix: the same polynomial, fewer FLOPs.
+
+  Every iterate is ``X_k = Q_k X_0`` with ``Q_k`` a polynomial of
+  ``G = X_0 X_0ᵀ`` that commutes with it, so with ``R = X_k X_kᵀ``::
+
+    P = a I + b R + c R²;   Q ← P Q;   R ← P R P
+
+  and one ``Q X_0`` at the end: ``4m²n`` per segment plus ``8m³`` per step,
+  instead of ``4m²n + 2m³`` per step. Rounding grows with the steps taken on
+  the Gram matrix, so the iteration restarts once, from ``X = Q X_0``, after
+  ``restart`` steps. ``x`` is wide and normalized; ``steps`` a Python int.
+
+  References:
+    Zhang, Amsel, Chen, Dao, `Gram Newton–Schulz`, 2026
+  """
+  mT = lambda m: jnp.swapaxes(m, -1, -2)
+  eye = jnp.eye(x.shape[-2], dtype=x.dtype)
+  for done, count in ((0, min(restart, steps)),
+                      (restart, steps - restart)):
+    if count <= 0:
+      continue
+    R = matmul(x, mT(x), precision)
+    Q = jnp.broadcast_to(eye, R.shape)
+    for i in range(done, done + count):
+      a, b, c = (float(v) for v in table[coefficients_lib.schedule_index(
+          i, len(table), mode)])
+      P = a * eye + b * R + (c * matmul(R, R, precision) if c else 0.0)
+      Q = matmul(P, Q, precision)
+      R = matmul(P, matmul(R, P, precision), precision)
+    x = matmul(Q, x, precision)
+  return x
+
+
+def gram_flops(m: int, n: int, steps: int, restart: int = 2,
+               cubic: bool = False) -> float:
+  """FLOPs of ``iterate_gram`` on an m×n matrix (m ≤ n), for comparisons."""
+  m, n = min(m, n), max(m, n)
+  segments = 1 + (steps > restart)
+  per_step = (6 if cubic else 8) * m ** 3
+  return segments * 4 * m * m * n + steps * per_step
+
+
 def newton_schulz(x: jax.Array, *, coefficients="quintic", steps=5,
                   precision: str = "highest", eps: float = 1e-30) -> jax.Array:
   r"""Approximately orthogonalizes each matrix of ``x`` (its polar factor).

@@ -181,6 +181,14 @@ def orthogonalize_sharded(leaves, views, tp: TensorParallel, specs,
   """
   in_specs = tuple(PartitionSpec(*[a or None for a in spec]) for spec in specs)
 
+  def duplicated_job(x, view, tp_dim, finish, replicated) -> _Job:
+    """Gather the shard, orthogonalize the full matrix, keep this chunk."""
+    full = jax.lax.all_gather(x, tp.axis, axis=tp_dim, tiled=True)
+    full_view = local_view(view, full.shape)
+    return _Job(full_view.to_matrices(full),
+                lambda ms: finish(_own_chunk(full_view.from_matrices(ms),
+                                             tp.axis, tp_dim)), replicated)
+
   def body(*local_leaves):
     results, jobs, allgather_groups = [None] * len(local_leaves), [], {}
     for index, (x, view, spec) in enumerate(zip(local_leaves, views, specs)):
@@ -223,12 +231,7 @@ def orthogonalize_sharded(leaves, views, tp: TensorParallel, specs,
                          lambda ms, v=local, f=finish: f(v.from_matrices(ms)),
                          replicated))
       elif mode == "duplicated":
-        full = jax.lax.all_gather(x, tp.axis, axis=tp_dim, tiled=True)
-        full_view = local_view(view, full.shape)
-        jobs.append(_Job(
-            full_view.to_matrices(full),
-            lambda ms, v=full_view, d=tp_dim, f=finish: f(_own_chunk(
-                v.from_matrices(ms), tp.axis, d)), replicated))
+        jobs.append(duplicated_job(x, view, tp_dim, finish, replicated))
       elif mode == "distributed":
         local = local_view(view, x.shape)
         fan_in_sharded = tp_dim in view.reduction_axes
@@ -244,13 +247,8 @@ def orthogonalize_sharded(leaves, views, tp: TensorParallel, specs,
 
     for (shape, _, tp_dim, view), members in allgather_groups.items():
       if len(members) < tp.size:  # too few to share out: duplicate instead
-        for x, finish, replicated in members:
-          full = jax.lax.all_gather(x, tp.axis, axis=tp_dim, tiled=True)
-          full_view = local_view(view, full.shape)
-          jobs.append(_Job(
-              full_view.to_matrices(full),
-              lambda ms, v=full_view, d=tp_dim, f=finish: f(_own_chunk(
-                  v.from_matrices(ms), tp.axis, d)), replicated))
+        jobs += [duplicated_job(x, view, tp_dim, finish, replicated)
+                 for x, finish, replicated in members]
         continue
       count = len(members)
       padded = -(-count // tp.size) * tp.size

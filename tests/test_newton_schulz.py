@@ -161,3 +161,27 @@ def test_traced_step_count_matches_static():
                                                  steps=s))(x, 7)
   np.testing.assert_allclose(traced, om.newton_schulz(
       x, coefficients="polar_express", steps=7), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(om.COEFFICIENT_SETS))
+def test_gram_newton_schulz_matches_the_standard_form(name):
+  x = _gaussian((2, 48, 160), seed=11)  # aspect 3.3: the Gram form is used
+  standard = om.orthogonalize(coefficients=name, steps=5)
+  gram = om.orthogonalize(coefficients=name, steps=5, method="gram")
+  a, _ = standard.update({"w": x}, None)
+  b, _ = gram.update({"w": x}, None)
+  np.testing.assert_allclose(b["w"], a["w"], atol=1e-3)
+
+
+def test_gram_is_used_only_where_it_saves_flops():
+  wide, square = _gaussian((48, 160), 12), _gaussian((64, 96), 13)
+  gram, standard = om.orthogonalize(method="gram"), om.orthogonalize()
+  # aspect 1.5: the same program as the standard form
+  assert str(jax.make_jaxpr(lambda u: gram.update({"w": u}, None))(square)) == \
+      str(jax.make_jaxpr(lambda u: standard.update({"w": u}, None))(square))
+  assert str(jax.make_jaxpr(lambda u: gram.update({"w": u}, None))(wide)) != \
+      str(jax.make_jaxpr(lambda u: standard.update({"w": u}, None))(wide))
+  assert ns_lib.gram_saves_flops(1024, 4096) and not ns_lib.gram_saves_flops(
+      1024, 2048)
+  assert ns_lib.gram_flops(1024, 4096, 5) < 0.85 * 5 * (
+      4 * 1024 ** 2 * 4096 + 2 * 1024 ** 3)
