@@ -22,7 +22,10 @@ def matmul(a: jax.Array, b: jax.Array, precision: str) -> jax.Array:
                          preferred_element_type=jnp.float32)
     return product.astype(jnp.bfloat16).astype(jnp.float32)
   level = (jax.lax.Precision.HIGHEST if precision == "highest"
-           else jax.lax.Precision.DEFAULT)
+           and jax.default_backend() != "cpu" else jax.lax.Precision.DEFAULT)
+  # XLA:CPU multiplies fp32 in full precision at every level; its DEFAULT path
+  # gave the same bits 5% faster (1024×4096, 2 cores), so "highest" uses it
+  # there.
   return jnp.matmul(a, b, precision=level)
 
 
