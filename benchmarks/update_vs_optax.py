@@ -27,7 +27,7 @@ from flax import nnx  # noqa: E402
 from optax.contrib import MuonDimensionNumbers  # noqa: E402
 
 import optax_muon as om  # noqa: E402
-from _timing import emit, interleaved, quick_flag  # noqa: E402
+from _timing import emit, interleaved, ns_flops, quick_flag  # noqa: E402
 from examples.flax_lm.model import GPT, GPTConfig  # noqa: E402
 
 
@@ -77,7 +77,14 @@ def main():
         jax.tree.leaves(outputs[ours]),
         jax.tree.leaves(outputs["optax.contrib.muon"])))
             for ours in ("optax_muon", "optax_muon_gram")}
+    side = 256 if quick else 1024  # the matmul limit, timed in the same rounds
+    square = jax.random.normal(jax.random.key(2), (side, side))
+    candidates["matmul"] = (jax.jit(lambda a: jnp.matmul(
+        a, a, precision=jax.lax.Precision.HIGHEST)), (square,))
     times = interleaved(candidates, rounds=3, warmup=1)
+    rate = 2 * side ** 3 / times.pop("matmul")
+    flops = sum(ns_flops(*x.shape[-2:], 5) * np.prod(x.shape[:-2])
+                for x in jax.tree.leaves(params) if x.ndim >= 2)
     emit({"benchmark": "update_vs_optax", "tree": name,
           "leaves": len(jax.tree.leaves(params)),
           "params": int(sum(x.size for x in jax.tree.leaves(params))),
@@ -85,7 +92,9 @@ def main():
           "ours_over_optax": times["optax_muon"] / times["optax.contrib.muon"],
           "ours_gram_over_optax": (times["optax_muon_gram"] /
                                    times["optax.contrib.muon"]),
-          "ours_over_adamw": times["optax_muon"] / times["adamw"]})
+          "ours_over_adamw": times["optax_muon"] / times["adamw"],
+          "ns_flops": float(flops),
+          "ours_over_roofline": times["optax_muon"] / (flops / rate)})
 
 
 if __name__ == "__main__":

@@ -25,18 +25,13 @@ def _as_number(name: str, value: Any) -> float:
   return float(array)
 
 
-def check_range(name: str, value: Any, low: float, high: float, *,
-                include_high: bool = False, allow_none: bool = False) -> None:
-  """Raises ValueError unless ``low <= value < high`` (``<=`` if included)."""
-  if value is None and allow_none:
-    return
+def check_range(name: str, value: Any, low: float, high: float) -> None:
+  """Raises ValueError unless ``low <= value < high``."""
   if is_traced(value):
     return
   number = _as_number(name, value)
-  below_high = number <= high if include_high else number < high
-  if not (low <= number and below_high):
-    bracket = "]" if include_high else ")"
-    raise ValueError(f"{name} must be in [{low}, {high}{bracket}, got {value!r}")
+  if not low <= number < high:
+    raise ValueError(f"{name} must be in [{low}, {high}), got {value!r}")
 
 
 def check_int(name: str, value: Any, *, minimum: int) -> None:

@@ -21,7 +21,7 @@ from examples.flax_lm import config as config_lib
 from examples.flax_lm import train as train_lib
 
 SWEEPS = {"tiny": {"adam": (3e-3, 1e-2, 2e-2), "muon": (3e-3, 1e-2, 2e-2)},
-          "small": {"adam": (2e-3, 4e-3, 8e-3), "muon": (2e-3, 4e-3, 8e-3)}}
+          "small": {"adam": (1e-3, 2e-3, 4e-3), "muon": (2e-3, 4e-3)}}
 
 
 def _curve(run_dir: pathlib.Path) -> list[dict]:
