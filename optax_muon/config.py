@@ -255,23 +255,18 @@ def _coerce(name: str, value: Any, hint) -> Any:
     if isinstance(value, bool):
       return value
     raise ValueError(f"{name}={value!r} is not a bool; accepted: true/false")
-  if hint is int:
-    try:
-      if isinstance(value, bool) or (isinstance(value, float)
-                                     and not value.is_integer()):
-        raise ValueError
-      return int(value)
-    except (TypeError, ValueError):
-      raise ValueError(f"{name}={value!r} is not an integer") from None
-  if hint is float:
+  if hint in (int, float):
     if isinstance(value, _Default):
       return value
+    whole = hint is int
     try:
-      if isinstance(value, bool):
+      if isinstance(value, bool) or (whole and isinstance(value, float)
+                                     and not value.is_integer()):
         raise ValueError
-      return float(value)
+      return hint(value)
     except (TypeError, ValueError):
-      raise ValueError(f"{name}={value!r} is not a number") from None
+      kind = "an integer" if whole else "a number"
+      raise ValueError(f"{name}={value!r} is not {kind}") from None
   if origin is tuple:
     if isinstance(value, str):
       value = [v for v in value.strip("[]() ").split(",") if v.strip()]
