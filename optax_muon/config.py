@@ -185,7 +185,7 @@ class MuonConfig:
                        "with a 'data' axis: pass build(..., mesh=mesh)")
     split = split_qkv if self.muon_split_qkv else None
     if self.muon_split_qkv and split is None and params is not None:
-      fused = [p for p, _ in _paths_matching(params, "qkv")]
+      fused = _fused_qkv_paths(params)
       if fused:
         raise ValueError(
             f"muon_split_qkv=True but the params have fused QKV leaves "
@@ -205,9 +205,11 @@ class MuonConfig:
         adam_weight_decay_mask=decay_mask))
 
 
-def _paths_matching(params, pattern: str):
+def _fused_qkv_paths(params) -> list[str]:
+  """Paths of the matrices that ``SplitQKV``'s default pattern would split."""
+  pattern = layout.SplitQKV.pattern
   leaves, _ = _paths.leaves_with_paths(params)
-  return [(_paths.path_string(p), leaf) for p, leaf in leaves
+  return [_paths.path_string(p) for p, leaf in leaves
           if _paths.matches([pattern], p) and jax.numpy.ndim(leaf) >= 2]
 
 

@@ -220,9 +220,7 @@ def orthogonalize_sharded(leaves, views, tp: TensorParallel, specs,
       if mode == "distributed" and tp_dim is not None:
         sharded_side = (view.fan_in if tp_dim in view.reduction_axes
                         else view.fan_out)
-        if sharded_side < min(view.fan_in, view.fan_out) or (
-            sharded_side == min(view.fan_in, view.fan_out) and
-            view.fan_in != view.fan_out):
+        if sharded_side < max(view.fan_in, view.fan_out):
           # the Gram matrix would be of the long side: one gather moves less
           mode = "duplicated"
       if tp_dim is None or mode == "blockwise":
