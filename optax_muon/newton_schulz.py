@@ -90,28 +90,39 @@ def iterate_gram(x: jax.Array, table: np.ndarray, mode: str, steps: int,
 
     P = a I + b R + c R²;   Q ← P Q;   R ← P R P
 
-  and one ``Q X_0`` at the end: ``4m²n`` per segment plus ``8m³`` per step,
-  instead of ``4m²n + 2m³`` per step. Rounding grows with the steps taken on
+  and one ``Q X_0`` at the end: ``4m²n`` per segment plus at most ``8m³``
+  per step, instead of ``4m²n + 2m³`` per step. Rounding grows with the steps taken on
   the Gram matrix, so the iteration restarts once, from ``X = Q X_0``, after
   ``restart`` steps. ``x`` is wide and normalized; ``steps`` a Python int.
 
   References:
     Zhang, Amsel, Chen, Dao, `Gram Newton–Schulz`, 2026
   """
+  rows = jnp.asarray(table, jnp.float32)
+  cubic = bool(np.all(table[:, 2] == 0))
   mT = lambda m: jnp.swapaxes(m, -1, -2)
   eye = jnp.eye(x.shape[-2], dtype=x.dtype)
-  for done, count in ((0, min(restart, steps)),
-                      (restart, steps - restart)):
-    if count <= 0:
+
+  def polynomial(i, R):
+    a, b, c = rows[coefficients_lib.schedule_index(i, len(table), mode, jnp)]
+    return a * eye + b * R + (0.0 if cubic else c * matmul(R, R, precision))
+
+  def step(i, QR):
+    Q, R = QR
+    P = polynomial(i, R)
+    return matmul(P, Q, precision), matmul(P, matmul(R, P, precision), precision)
+
+  # The first step of a segment starts from Q = I and its last needs no new
+  # R, so they are taken out of the loop: 2m³ + 4m³ fewer FLOPs a segment.
+  for start, stop in ((0, min(restart, steps)), (restart, steps)):
+    if stop <= start:
       continue
     R = matmul(x, mT(x), precision)
-    Q = jnp.broadcast_to(eye, R.shape)
-    for i in range(done, done + count):
-      a, b, c = (float(v) for v in table[coefficients_lib.schedule_index(
-          i, len(table), mode)])
-      P = a * eye + b * R + (c * matmul(R, R, precision) if c else 0.0)
-      Q = matmul(P, Q, precision)
-      R = matmul(P, matmul(R, P, precision), precision)
+    Q = polynomial(start, R)
+    if stop - start > 1:
+      R = matmul(Q, matmul(R, Q, precision), precision)
+      Q, R = jax.lax.fori_loop(start + 1, stop - 1, step, (Q, R))
+      Q = matmul(polynomial(stop - 1, R), Q, precision)
     x = matmul(Q, x, precision)
   return x
 
@@ -120,9 +131,12 @@ def gram_flops(m: int, n: int, steps: int, restart: int = 2,
                cubic: bool = False) -> float:
   """FLOPs of ``iterate_gram`` on an m×n matrix (m ≤ n), for comparisons."""
   m, n = min(m, n), max(m, n)
-  segments = 1 + (steps > restart)
-  per_step = (6 if cubic else 8) * m ** 3
-  return segments * 4 * m * m * n + steps * per_step
+  flops = 0
+  for count in (min(restart, steps), steps - restart):
+    if count > 0:  # X Xᵀ, Q X; R² a step; P Q and P R P but at the ends
+      flops += (4 * m * m * n + (0 if cubic else 2 * m ** 3) * count +
+                6 * m ** 3 * (count - 1))
+  return flops
 
 
 def newton_schulz(x: jax.Array, *, coefficients="quintic", steps=5,

@@ -20,25 +20,37 @@ METHODS = ("standard", "gram")
 
 
 # Stacking same-shape matrices pays for small ones (one batched matmul instead
-# of many small ones) and costs a copy; past this size a stack only adds
-# memory traffic and temporaries (24 stacked 1024×4096 leaves: 1.11× optax's
-# time, each leaf alone: see benchmarks/update_vs_optax.py).
+# of many small ones) and costs memory: a stack's loop keeps two copies of the
+# whole stack live. So a stack holds at most as many bytes as the largest
+# matrix of the update (what doing the matrices one by one needs anyway),
+# but at least MIN_STACK_BYTES, and never more than STACK_BYTES, past which a
+# stack only adds memory traffic (24 stacked 1024×4096 leaves: 1.11× optax's
+# time). On the example GPT this keeps the peak temporary bytes under
+# optax.contrib.muon's (benchmarks/memory.py).
 STACK_BYTES = 1 << 24
+MIN_STACK_BYTES = 1 << 18
 
 
-def _chunks(groups, wide):
-  """Each group split into stacks of at most ``STACK_BYTES`` (one matrix at
-  least)."""
+def _chunks(groups, sizes):
+  """Each group split into stacks of at most the cap above (one matrix at
+  least); ``sizes`` are the members' fp32 bytes."""
+  cap = min(STACK_BYTES, max(max(sizes), MIN_STACK_BYTES))
   for members in groups:
     chunk, size = [], 0
     for i in members:
-      nbytes = wide[i].size * 4
-      if chunk and size + nbytes > STACK_BYTES:
+      if chunk and size + sizes[i] > cap:
         yield chunk
         chunk, size = [], 0
       chunk.append(i)
-      size += nbytes
+      size += sizes[i]
     yield chunk
+
+
+def _wide(matrix: jax.Array) -> jax.Array:
+  """The fp32 matrix turned to m ≤ n (an involution)."""
+  matrix = matrix.astype(jnp.float32)
+  tall = matrix.shape[-2] > matrix.shape[-1]
+  return jnp.swapaxes(matrix, -1, -2) if tall else matrix
 
 
 def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
@@ -50,15 +62,14 @@ def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
   With ``distribute_axis`` (inside ``shard_map``), each rank of that mesh axis
   orthogonalizes 1/N of every group and the results are all-gathered.
   """
-  wide, groups = [], {}
+  groups = {}
   for index, matrix in enumerate(matrices):
-    tall = matrix.shape[-2] > matrix.shape[-1]
-    matrix = matrix.astype(jnp.float32)
-    wide.append(jnp.swapaxes(matrix, -1, -2) if tall else matrix)
-    groups.setdefault(wide[-1].shape[-2:], []).append(index)
+    groups.setdefault(tuple(sorted(matrix.shape[-2:])), []).append(index)
+  sizes = [matrix.size * 4 for matrix in matrices]
   results = [None] * len(matrices)
-  for members in _chunks(groups.values(), wide):
-    stack = jnp.concatenate([wide[i] for i in members], axis=0)
+  for members in _chunks(groups.values(), sizes):
+    inputs = [matrices[i] for i in members]
+    stack = jnp.concatenate([_wide(x) for x in inputs], axis=0)
     count = stack.shape[0]
     if distribute_axis is not None:
       ranks = jax.lax.axis_size(distribute_axis)
@@ -77,7 +88,7 @@ def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
                          precision)
     if distribute_axis is not None:
       stack = jax.lax.all_gather(stack, distribute_axis, tiled=True)[:count]
-    offsets = np.cumsum([0] + [wide[i].shape[0] for i in members])
+    offsets = np.cumsum([0] + [x.shape[0] for x in inputs])
     for i, start, stop in zip(members, offsets[:-1], offsets[1:]):
       out = stack[start:stop]
       if matrices[i].shape[-2] > matrices[i].shape[-1]:

@@ -76,6 +76,21 @@ class OrthogonalizeTest(chex.TestCase):
     (loop,) = loops
     assert any(v.aval.shape == (6, 32, 64) for v in loop.invars)
 
+  def test_stacks_need_no_more_memory_than_the_largest_matrix(self):
+    # Eight equal matrices: stacking them would keep 8× the buffers live;
+    # one at a time, the peak is that of one matrix's loop.
+    tree = {f"w{i}": jnp.ones((96, 384)) for i in range(8)}
+    tx = om.orthogonalize()
+    compiled = jax.jit(tx.update).lower(tree, tx.init(tree)).compile()
+    one_matrix = 96 * 384 * 4
+    assert compiled.memory_analysis().temp_size_in_bytes <= 2 * one_matrix
+    # Beside a larger matrix, the small ones still share one loop.
+    tree = {"big": jnp.ones((512, 1024)),
+            **{f"s{i}": jnp.ones((64, 128)) for i in range(8)}}
+    jaxpr = jax.make_jaxpr(lambda t: tx.update(t, optax.EmptyState()))(tree)
+    loops = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
+    assert len(loops) == 2
+
   def test_dimension_numbers_select_fan_in_and_fan_out(self):
     x = _normal(0, (6, 3, 20))  # fan-in 6 * 3 merged, fan-out 20
     dims = MDN(reduction_axis=(0, 1), output_axis=2)
