@@ -1,6 +1,6 @@
 """Our ``muon`` update against ``optax.contrib.muon`` and AdamW, same settings.
 
-    python benchmarks/update_vs_optax.py [--quick]
+    python benchmarks/update_vs_optax.py [--quick] [--trees gpt,wide,stacked]
 
 Both run quintic × 5 (optax's ``"dion"`` preset), β = 0.95 EMA momentum,
 Nesterov off, optax's ``√max(1, fan_out/fan_in)`` scale (our
@@ -12,8 +12,14 @@ twice: the standard Newton–Schulz and ``method="gram"`` (the same polynomial
 on the Gram matrix where a matrix is at least 2.5 times wider than tall).
 Trees: (a) the example GPT's params, (b) 24 leaves of 1024×4096 / 4096×1024,
 (c) a stacked [12, 512, 2048] leaf that optax is told to vmap over.
+
+Two limits: ``roofline``, the standard NS FLOPs at the rate of a square matmul
+(1024², the machine's best), and ``matmuls_alone``, the same NS matmuls at the
+tree's own shapes with nothing else (small matrices multiply slower than the
+square one, so this limit is the one an update of the tree can reach).
 """
 
+import argparse
 import os
 import sys
 
@@ -27,7 +33,7 @@ from flax import nnx  # noqa: E402
 from optax.contrib import MuonDimensionNumbers  # noqa: E402
 
 import optax_muon as om  # noqa: E402
-from _timing import emit, interleaved, ns_flops, quick_flag  # noqa: E402
+from _timing import emit, interleaved, ns_flops  # noqa: E402
 from examples.flax_lm.model import GPT, GPTConfig  # noqa: E402
 
 
@@ -45,26 +51,53 @@ def trees(quick: bool):
           "stacked": (stacked, {"w": MuonDimensionNumbers(1, 2)})}
 
 
-def optimizers(params, dims):
+def optimizers(params, dims, nesterov: bool = False):
   labels = jax.tree.map(lambda x: "muon" if x.ndim >= 2 and (
       dims is not None or x.ndim == 2) else "adam", params)
   ours = om.muon(0.02, coefficients="quintic", steps=5, beta=0.95,
-                 nesterov=False, scale_mode="shape_scaling", labels=labels,
+                 nesterov=nesterov, scale_mode="shape_scaling", labels=labels,
                  precision="highest", adam_eps=1e-8)
   theirs = optax.contrib.muon(0.02, ns_coeffs="dion", ns_steps=5, beta=0.95,
-                              nesterov=False,
+                              nesterov=nesterov,
                               muon_weight_dimension_numbers=dims)
   gram = om.muon(0.02, coefficients="quintic", steps=5, beta=0.95,
-                 nesterov=False, scale_mode="shape_scaling", labels=labels,
+                 nesterov=nesterov, scale_mode="shape_scaling", labels=labels,
                  precision="highest", adam_eps=1e-8, method="gram")
   return {"optax_muon": ours, "optax_muon_gram": gram,
           "optax.contrib.muon": theirs,
           "adamw": optax.adamw(0.02, eps=1e-8, weight_decay=0.0)}
 
 
+def matmul_limit(matrices, steps: int):
+  """The Newton–Schulz matmuls alone (``X Xᵀ``, ``A A``, ``B X`` a step), each
+  matrix on its own in its wide orientation: the limit at these shapes."""
+  wide = [x if x.shape[-2] <= x.shape[-1] else jnp.swapaxes(x, -1, -2)
+          for x in matrices]
+  # Near-orthogonal inputs keep every product near 1 (no overflow, no
+  # subnormals, which would slow the CPU down).
+  wide = [om.newton_schulz(x, steps=steps) for x in wide]
+
+  def run(xs):
+    out = []
+    for x in xs:
+      for _ in range(steps):
+        A = jnp.matmul(x, jnp.swapaxes(x, -1, -2))
+        x = jnp.matmul(jnp.matmul(A, A), x)
+      out.append(x)
+    return out
+
+  return jax.jit(run), (wide,)
+
+
 def main():
-  quick = quick_flag()
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--trees", default="gpt,wide,stacked")
+  args = parser.parse_args()
+  quick = args.quick
   for name, (params, dims) in trees(quick).items():
+    if name not in args.trees.split(","):
+      continue
     grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape),
                          params)
     candidates, outputs = {}, {}
@@ -77,14 +110,17 @@ def main():
         jax.tree.leaves(outputs[ours]),
         jax.tree.leaves(outputs["optax.contrib.muon"])))
             for ours in ("optax_muon", "optax_muon_gram")}
+    matrices = [x for x in jax.tree.leaves(grads) if x.ndim >= 2 and (
+        dims is not None or x.ndim == 2)]
+    candidates["matmuls_alone"] = matmul_limit(matrices, 5)
     side = 256 if quick else 1024  # the matmul limit, timed in the same rounds
     square = jax.random.normal(jax.random.key(2), (side, side))
     candidates["matmul"] = (jax.jit(lambda a: jnp.matmul(
         a, a, precision=jax.lax.Precision.HIGHEST)), (square,))
-    times = interleaved(candidates, rounds=3, warmup=1)
+    times = interleaved(candidates, rounds=5, warmup=1)
     rate = 2 * side ** 3 / times.pop("matmul")
     flops = sum(ns_flops(*x.shape[-2:], 5) * np.prod(x.shape[:-2])
-                for x in jax.tree.leaves(params) if x.ndim >= 2)
+                for x in matrices)
     emit({"benchmark": "update_vs_optax", "tree": name,
           "leaves": len(jax.tree.leaves(params)),
           "params": int(sum(x.size for x in jax.tree.leaves(params))),
@@ -94,7 +130,11 @@ def main():
                                    times["optax.contrib.muon"]),
           "ours_over_adamw": times["optax_muon"] / times["adamw"],
           "ns_flops": float(flops),
-          "ours_over_roofline": times["optax_muon"] / (flops / rate)})
+          "ours_over_roofline": times["optax_muon"] / (flops / rate),
+          "ours_gram_over_roofline": times["optax_muon_gram"] / (flops / rate),
+          "matmuls_alone_over_roofline": times["matmuls_alone"] / (flops / rate),
+          "ours_over_matmuls_alone": (times["optax_muon"] /
+                                      times["matmuls_alone"])})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The orthogonalize transform: Newton–Schulz on every matrix of the updates.
 
 Leaves are viewed as batches of matrices (``layout``), every matrix is turned
-to its wide orientation, matrices of the same shape are stacked into one array
-and orthogonalized by one batched ``newton_schulz`` call, then put back.
+to its wide orientation, matrices of the same shape are stacked (up to a size
+cap, see ``STACK_BYTES``) and orthogonalized by one batched Newton–Schulz loop
+per stack, then put back.
 """
 
 import jax
@@ -57,7 +58,7 @@ def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
                            mode: str, steps, precision: str, eps,
                            method: str = "standard",
                            distribute_axis: str | None = None) -> list[jax.Array]:
-  """NS of each ``(batch, m, n)`` array, one batched call per wide shape.
+  """NS of each ``(batch, m, n)`` array, one batched loop per stack.
 
   With ``distribute_axis`` (inside ``shard_map``), each rank of that mesh axis
   orthogonalizes 1/N of every group and the results are all-gathered.
@@ -117,8 +118,8 @@ def orthogonalize(*, coefficients="quintic", steps=5,
   Each leaf is viewed as a batch of matrices ``G`` (``fan_in × fan_out``; see
   ``layout.matrix_view``) and every ``G`` becomes ``newton_schulz(G) ≈ U Vᵀ``
   for ``G = U Σ Vᵀ``. Same-shape matrices (after turning each to its wide
-  orientation) run as one batched computation; the result equals doing them
-  one at a time.
+  orientation) run in batched stacks no larger than the largest matrix; the
+  result equals doing them one at a time.
 
   Args:
     coefficients: a name in ``COEFFICIENT_SETS`` or a list of ``(a, b, c)``.

@@ -13,8 +13,10 @@ ROOT = pathlib.Path(__file__).parents[1]
 RATIOS = {
     "ns_roofline": ["ratio", "time_ratio"],
     "update_vs_optax": ["ours_over_optax", "ours_gram_over_optax",
-                        "ours_over_adamw", "max_abs_diff", "ours_over_roofline"],
-    "memory": ["state_ours_over_adamw", "temp_ours_over_optax"],
+                        "ours_over_adamw", "max_abs_diff", "ours_over_roofline",
+                        "ours_gram_over_roofline", "ours_over_matmuls_alone"],
+    "memory": ["state_ours_over_adamw", "temp_ours_over_optax",
+               "temp_ours_gram_over_optax"],
     "train_step": ["muon_over_adamw"],
     "sharding": ["bytes_over_optax", "time_over_optax"],
 }
