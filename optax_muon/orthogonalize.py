@@ -32,10 +32,11 @@ STACK_BYTES = 1 << 24
 MIN_STACK_BYTES = 1 << 18
 
 
-def _chunks(groups, sizes):
+def _chunks(groups, sizes, ranks: int = 1):
   """Each group split into stacks of at most the cap above (one matrix at
-  least); ``sizes`` are the members' fp32 bytes."""
-  cap = min(STACK_BYTES, max(max(sizes), MIN_STACK_BYTES))
+  least); ``sizes`` are the members' fp32 bytes. A stack split over ``ranks``
+  holds ``ranks`` times as much, as each rank keeps its share."""
+  cap = ranks * min(STACK_BYTES, max(max(sizes), MIN_STACK_BYTES))
   for members in groups:
     chunk, size = [], 0
     for i in members:
@@ -68,12 +69,12 @@ def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
     groups.setdefault(tuple(sorted(matrix.shape[-2:])), []).append(index)
   sizes = [matrix.size * 4 for matrix in matrices]
   results = [None] * len(matrices)
-  for members in _chunks(groups.values(), sizes):
+  ranks = 1 if distribute_axis is None else jax.lax.axis_size(distribute_axis)
+  for members in _chunks(groups.values(), sizes, ranks):
     inputs = [matrices[i] for i in members]
     stack = jnp.concatenate([_wide(x) for x in inputs], axis=0)
     count = stack.shape[0]
     if distribute_axis is not None:
-      ranks = jax.lax.axis_size(distribute_axis)
       padded = -(-count // ranks) * ranks
       stack = jnp.pad(stack, ((0, padded - count), (0, 0), (0, 0)))
       stack = jax.lax.dynamic_slice_in_dim(
