@@ -36,7 +36,7 @@ def _chunks(groups, sizes, ranks: int = 1):
   """Each group split into stacks of at most the cap above (one matrix at
   least); ``sizes`` are the members' fp32 bytes. A stack split over ``ranks``
   holds ``ranks`` times as much, as each rank keeps its share."""
-  cap = ranks * min(STACK_BYTES, max(max(sizes), MIN_STACK_BYTES))
+  cap = ranks * min(STACK_BYTES, max(sizes + [MIN_STACK_BYTES]))
   for members in groups:
     chunk, size = [], 0
     for i in members:

@@ -91,6 +91,15 @@ class OrthogonalizeTest(chex.TestCase):
     loops = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
     assert len(loops) == 2
 
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_a_tree_without_matrices_passes_through(self):
+    tx = om.orthogonalize()
+    assert self.variant(tx.update)({}, tx.init({}))[0] == {}
+    tx = om.muon(0.1)  # every leaf a vector: the Muon branch gets no leaf
+    vector = {"b": jnp.arange(3.0)}
+    out, _ = self.variant(tx.update)(vector, tx.init(vector), vector)
+    assert out["b"].shape == (3,)
+
   def test_dimension_numbers_select_fan_in_and_fan_out(self):
     x = _normal(0, (6, 3, 20))  # fan-in 6 * 3 merged, fan-out 20
     dims = MDN(reduction_axis=(0, 1), output_axis=2)
