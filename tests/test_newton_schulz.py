@@ -15,6 +15,7 @@ import optax_muon as om
 
 # The package re-exports the function under the module's name.
 ns_lib = importlib.import_module("optax_muon.newton_schulz")
+coefficients_lib = importlib.import_module("optax_muon.coefficients")
 
 
 def _gaussian(shape, seed=0):
@@ -185,3 +186,16 @@ def test_gram_is_used_only_where_it_saves_flops():
       1024, 2048)
   assert ns_lib.gram_flops(1024, 4096, 5) < 0.85 * 5 * (
       4 * 1024 ** 2 * 4096 + 2 * 1024 ** 3)
+
+
+@pytest.mark.parametrize("name,steps", [("quintic", 1), ("quintic", 2),
+                                        ("quintic", 5), ("cubic5", 3)])
+def test_gram_flops_counts_what_xla_runs(name, steps):
+  # Up to 5 steps no loop is left after XLA's simplification, so its cost
+  # analysis counts every matmul; the elementwise work adds < 2%.
+  table, mode = coefficients_lib.resolve_coefficients(name)
+  x = jnp.ones((1, 64, 256))
+  compiled = jax.jit(lambda u: ns_lib.iterate_gram(
+      u, table, mode, steps, "highest")).lower(x).compile()
+  counted = ns_lib.gram_flops(64, 256, steps, cubic=name == "cubic5")
+  assert counted <= compiled.cost_analysis()["flops"] <= 1.02 * counted
