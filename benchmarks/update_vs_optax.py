@@ -51,19 +51,22 @@ def trees(quick: bool):
           "stacked": (stacked, {"w": MuonDimensionNumbers(1, 2)})}
 
 
+def is_muon_leaf(x, dims) -> bool:
+  """optax's routing: every 2-D leaf, and ≥ 3-D ones when given dimensions."""
+  return x.ndim >= 2 and (dims is not None or x.ndim == 2)
+
+
 def optimizers(params, dims, nesterov: bool = False):
-  labels = jax.tree.map(lambda x: "muon" if x.ndim >= 2 and (
-      dims is not None or x.ndim == 2) else "adam", params)
-  ours = om.muon(0.02, coefficients="quintic", steps=5, beta=0.95,
-                 nesterov=nesterov, scale_mode="shape_scaling", labels=labels,
-                 precision="highest", adam_eps=1e-8)
+  labels = jax.tree.map(
+      lambda x: "muon" if is_muon_leaf(x, dims) else "adam", params)
+  ours = lambda method: om.muon(
+      0.02, coefficients="quintic", steps=5, beta=0.95, nesterov=nesterov,
+      scale_mode="shape_scaling", labels=labels, precision="highest",
+      adam_eps=1e-8, method=method)
   theirs = optax.contrib.muon(0.02, ns_coeffs="dion", ns_steps=5, beta=0.95,
                               nesterov=nesterov,
                               muon_weight_dimension_numbers=dims)
-  gram = om.muon(0.02, coefficients="quintic", steps=5, beta=0.95,
-                 nesterov=nesterov, scale_mode="shape_scaling", labels=labels,
-                 precision="highest", adam_eps=1e-8, method="gram")
-  return {"optax_muon": ours, "optax_muon_gram": gram,
+  return {"optax_muon": ours("standard"), "optax_muon_gram": ours("gram"),
           "optax.contrib.muon": theirs,
           "adamw": optax.adamw(0.02, eps=1e-8, weight_decay=0.0)}
 
@@ -110,8 +113,7 @@ def main():
         jax.tree.leaves(outputs[ours]),
         jax.tree.leaves(outputs["optax.contrib.muon"])))
             for ours in ("optax_muon", "optax_muon_gram")}
-    matrices = [x for x in jax.tree.leaves(grads) if x.ndim >= 2 and (
-        dims is not None or x.ndim == 2)]
+    matrices = [x for x in jax.tree.leaves(grads) if is_muon_leaf(x, dims)]
     candidates["matmuls_alone"] = matmul_limit(matrices, 5)
     side = 256 if quick else 1024  # the matmul limit, timed in the same rounds
     square = jax.random.normal(jax.random.key(2), (side, side))
