@@ -101,11 +101,9 @@ class MuonConfig:
         "muon_momentum_style": momentum.MOMENTUM_STYLES}
     for name, accepted in choices.items():
       _checks.check_choice(name, getattr(self, name), accepted)
-    for name in ("lr", "weight_decay", "clip_grad"):
+    for name in ("lr", "weight_decay", "clip_grad", "eps",
+                 "muon_extra_scale_factor"):
       _checks.check_range(name, getattr(self, name), 0.0, math.inf)
-    _checks.check_range("eps", self.eps, 0.0, math.inf)
-    _checks.check_range("muon_extra_scale_factor",
-                        self.muon_extra_scale_factor, 0.0, math.inf)
     for i, beta in enumerate(self.betas):
       _checks.check_range(f"betas[{i}]", beta, 0.0, 1.0)
     _checks.check_range("muon_momentum", self.muon_momentum, 0.0, 1.0)
