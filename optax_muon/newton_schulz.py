@@ -91,9 +91,10 @@ def iterate_gram(x: jax.Array, table: np.ndarray, mode: str, steps: int,
     P = a I + b R + c R²;   Q ← P Q;   R ← P R P
 
   and one ``Q X_0`` at the end: ``4m²n`` per segment plus at most ``8m³``
-  per step, instead of ``4m²n + 2m³`` per step. Rounding grows with the steps taken on
-  the Gram matrix, so the iteration restarts once, from ``X = Q X_0``, after
-  ``restart`` steps. ``x`` is wide and normalized; ``steps`` a Python int.
+  per step, instead of ``4m²n + 2m³`` per step. Rounding grows with the steps
+  taken on the Gram matrix, so the iteration restarts once, from
+  ``X = Q X_0``, after ``restart`` steps. ``x`` is wide and normalized;
+  ``steps`` a Python int.
 
   References:
     Zhang, Amsel, Chen, Dao, `Gram Newton–Schulz`, 2026

@@ -49,7 +49,7 @@ def _chunks(groups, sizes, ranks: int = 1):
 
 
 def _wide(matrix: jax.Array) -> jax.Array:
-  """The fp32 matrix turned to m ≤ n (an involution)."""
+  """The matrix in fp32, turned to m ≤ n."""
   matrix = matrix.astype(jnp.float32)
   tall = matrix.shape[-2] > matrix.shape[-1]
   return jnp.swapaxes(matrix, -1, -2) if tall else matrix
