@@ -34,6 +34,15 @@ def check_range(name: str, value: Any, low: float, high: float) -> None:
     raise ValueError(f"{name} must be in [{low}, {high}), got {value!r}")
 
 
+def check_positive(name: str, value: Any) -> None:
+  """Raises ValueError unless ``0 < value < inf`` (traced: accepted)."""
+  if is_traced(value):
+    return
+  number = _as_number(name, value)
+  if not 0 < number < np.inf:
+    raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
 def check_int(name: str, value: Any, *, minimum: int) -> None:
   """Raises unless ``value`` is an integer ``>= minimum`` (traced: accepted)."""
   if is_traced(value):

@@ -6,10 +6,12 @@ longer matches the tree a transform sees. Looking settings up by path (the
 longest matching prefix) works on both, and on ``flax.nnx.State`` too.
 """
 
+import difflib
 import re
 from typing import Any, Callable, Iterable
 
 import jax
+import optax
 
 Path = tuple[str, ...]
 
@@ -41,6 +43,31 @@ def leaves_with_paths(tree, is_leaf: Callable[[Any], bool] | None = None):
   return [(path_names(p), leaf) for p, leaf in pairs], treedef
 
 
+def known_paths(tree) -> set[Path]:
+  """Every path a setting may name in ``tree``: its leaves, the leaves an
+  enclosing ``optax.partition`` masked out (``optax.MaskedNode``, the other
+  group's), and every prefix of them (a subtree)."""
+  pairs, _ = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+  leaves = {path_names(p) for p, _ in pairs}
+  return {p[:end] for p in leaves for end in range(len(p) + 1)}
+
+
+def check_paths_known(name: str, paths: Iterable[Path], tree) -> None:
+  """Raises ValueError naming any of ``paths`` that is no path of ``tree``,
+  with the nearest existing ones (compared ignoring case)."""
+  known = known_paths(tree)
+  for path in paths:
+    if path not in known:
+      text = path_string(path)
+      by_lower = {path_string(p).lower(): path_string(p) for p in known if p}
+      nearest = difflib.get_close_matches(text.lower(), sorted(by_lower), n=3,
+                                          cutoff=0.3)
+      raise ValueError(
+          f"{name} names {text!r}, which is no parameter path; nearest "
+          f"existing paths: {[by_lower[p] for p in nearest]}")
+
+
 class PathLookup:
   """Per-leaf settings given once for all, as a tree, or as a callable.
 
@@ -64,6 +91,7 @@ class PathLookup:
       return lambda path: value
     is_leaf = lambda x: x is None or isinstance(x, self._single_type)
     table = dict(leaves_with_paths(spec, is_leaf=is_leaf)[0])
+    check_paths_known(self._name, table, tree)
     for path, value in table.items():
       if value is not None and not isinstance(value, self._single_type):
         raise ValueError(
@@ -82,6 +110,8 @@ class PathLookup:
 
 
 def matches(patterns: Iterable[str], path: Path) -> bool:
-  """Whether any regex in ``patterns`` is found in the lower-cased path."""
-  text = path_string(path).lower()
-  return any(re.search(p, text) for p in patterns)
+  """Whether any regex in ``patterns`` is found in the ``/``-joined path,
+  ignoring case (Linen's ``Dense_2`` is matched by ``"dense_2"`` and
+  ``"Dense_2"``)."""
+  text = path_string(path)
+  return any(re.search(p, text, re.IGNORECASE) for p in patterns)

@@ -43,7 +43,7 @@ def resolve_extra_scale_factor(extra_scale_factor, match_adamw_update_rms: bool,
     return factor
   if extra_scale_factor is None:
     return 1.0
-  _checks.check_range("extra_scale_factor", extra_scale_factor, 0.0, np.inf)
+  _checks.check_positive("extra_scale_factor", extra_scale_factor)
   return extra_scale_factor
 
 
@@ -77,7 +77,7 @@ def scale_by_muon(*, beta=0.95, nesterov: bool = True,
     precision: ``"highest"``, ``"high"`` or ``"medium"``.
     method: ``"standard"`` or ``"gram"`` (see ``orthogonalize``).
     scale_mode: ``"spectral"``, ``"shape_scaling"`` or ``"unit_rms_norm"``.
-    extra_scale_factor: factor after the shape scale; default 1.0.
+    extra_scale_factor: factor after the shape scale, > 0; default 1.0.
     match_adamw_update_rms: derive the factor from ``adamw_beta1`` instead.
     adamw_beta1: AdamW's β₁ for ``match_adamw_update_rms``.
     dimension_numbers: ``MuonDimensionNumbers``, a tree of them or a callable.
@@ -93,6 +93,12 @@ def scale_by_muon(*, beta=0.95, nesterov: bool = True,
     Liu et al., `Muon is Scalable for LLM Training
     <https://arxiv.org/abs/2502.16982>`_, 2025
   """
+  # Checked here under this function's names (momentum's ``style`` is our
+  # ``momentum_style``), so that an error names the argument the user passed.
+  _checks.check_choice("momentum_style", momentum_style,
+                       momentum_lib.MOMENTUM_STYLES)
+  _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
+  momentum_lib.canonical_dtype("mu_dtype", mu_dtype)
   extra = resolve_extra_scale_factor(extra_scale_factor, match_adamw_update_rms,
                                      adamw_beta1)
   layout_args = dict(dimension_numbers=dimension_numbers, split_qkv=split_qkv,
@@ -142,9 +148,11 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
   Muon leaves: ``p ← p − lr · (scale_by_muon(g) + weight_decay · p)``
   (decoupled decay, multiplied by the learning rate as in Megatron-Core).
   The other leaves get ``optax.adamw`` (or ``optax.lion``) with their own
-  learning rate, betas, eps, weight decay and mask. Routing is ``labels``:
-  ``None`` uses ``default_labels``; a tree or callable of ``"muon"`` /
-  ``"adam"`` overrides it.
+  learning rate, betas, eps, weight decay and mask; ``"none"`` leaves (not
+  floating point, or frozen) get a zero update (``optax.set_to_zero``) and no
+  state. Routing is ``labels``: ``None`` uses ``default_labels``; a tree (by
+  path, a prefix allowed) or callable of ``"muon"`` / ``"adam"`` / ``"none"``
+  overrides it.
 
   Args:
     learning_rate: Muon's learning rate, a float or an optax schedule.
@@ -155,7 +163,8 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
       ``adam_b1``, so that ``learning_rate`` can be AdamW's.
     weight_decay: decoupled weight decay of the Muon leaves.
     weight_decay_mask: tree (by path) or callable of bools for it.
-    labels: ``None``, a tree or a callable of ``"muon"`` / ``"adam"``.
+    labels: ``None``, a tree or a callable of ``"muon"`` / ``"adam"`` /
+      ``"none"``.
     scalar_optimizer: ``"adam"`` (AdamW) or ``"lion"`` for the other leaves.
     adam_learning_rate: their learning rate (default: ``learning_rate``).
     adam_b1, adam_b2, adam_eps: their betas and eps.
@@ -199,5 +208,6 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
     scalar_chain = optax.lion(scalar_lr, b1=adam_b1, b2=adam_b2,
                               weight_decay=adam_weight_decay, mask=scalar_mask)
   return optax.partition(
-      {labels_lib.MUON: muon_chain, labels_lib.ADAM: scalar_chain},
+      {labels_lib.MUON: muon_chain, labels_lib.ADAM: scalar_chain,
+       labels_lib.NONE: optax.set_to_zero()},
       labels_lib.label_fn(labels))

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import types
 import typing
+import warnings
 from typing import Any, Iterable, Mapping
 
 import jax
@@ -29,13 +30,6 @@ from optax_muon import sharding as sharding_lib
 
 OPTIMIZERS = ("adam", "muon")
 TP_MODES = sharding_lib.MODES
-
-
-class _Default(float):
-  """A default float: equal to its value, but known not to be set by the user."""
-
-
-_EXTRA_SCALE_DEFAULT = _Default(1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +54,11 @@ class MuonConfig:
     muon_coefficient_type: a Newton–Schulz schedule name.
     muon_num_ns_steps: Newton–Schulz steps.
     muon_tp_mode: ``"blockwise"``, ``"duplicated"``, ``"distributed"`` or
-      ``"allgather"``.
+      ``"allgather"``; ``None`` (unset): ``"blockwise"`` when ``build`` gets a
+      mesh. Set, it needs one.
     muon_fp32_matmul_prec: ``"highest"``, ``"high"`` or ``"medium"``.
-    muon_extra_scale_factor: factor after the shape scale.
+    muon_extra_scale_factor: factor after the shape scale, > 0; ``None``
+      (unset): 1.0, or the RMS-matching factor (``extra_scale_factor``).
     muon_scalar_optimizer: ``"adam"`` or ``"lion"`` for the non-matrix leaves.
     muon_match_adamw_update_rms: derive the extra factor from ``betas[0]``.
     muon_momentum_style: ``"ema"`` or ``"sgd"``.
@@ -80,9 +76,9 @@ class MuonConfig:
   muon_scale_mode: str = "spectral"
   muon_coefficient_type: str = "quintic"
   muon_num_ns_steps: int = 5
-  muon_tp_mode: str = "blockwise"
+  muon_tp_mode: str | None = None
   muon_fp32_matmul_prec: str = "medium"
-  muon_extra_scale_factor: float = _EXTRA_SCALE_DEFAULT
+  muon_extra_scale_factor: float | None = None
   muon_scalar_optimizer: str = "adam"
   muon_match_adamw_update_rms: bool = False
   muon_momentum_style: str = "ema"
@@ -95,25 +91,28 @@ class MuonConfig:
     choices = {
         "optimizer": OPTIMIZERS, "muon_scale_mode": scaling.SCALE_MODES,
         "muon_coefficient_type": tuple(coefficients.COEFFICIENT_SETS),
-        "muon_tp_mode": TP_MODES,
         "muon_fp32_matmul_prec": newton_schulz.PRECISIONS,
         "muon_scalar_optimizer": alias.SCALAR_OPTIMIZERS,
         "muon_momentum_style": momentum.MOMENTUM_STYLES}
     for name, accepted in choices.items():
       _checks.check_choice(name, getattr(self, name), accepted)
-    for name in ("lr", "weight_decay", "clip_grad", "eps",
-                 "muon_extra_scale_factor"):
+    if self.muon_tp_mode is not None:
+      _checks.check_choice("muon_tp_mode", self.muon_tp_mode, TP_MODES)
+    for name in ("lr", "weight_decay", "clip_grad", "eps"):
       _checks.check_range(name, getattr(self, name), 0.0, math.inf)
+    if self.muon_extra_scale_factor is not None:
+      _checks.check_positive("muon_extra_scale_factor",
+                             self.muon_extra_scale_factor)
     for i, beta in enumerate(self.betas):
       _checks.check_range(f"betas[{i}]", beta, 0.0, 1.0)
     _checks.check_range("muon_momentum", self.muon_momentum, 0.0, 1.0)
     _checks.check_int("muon_num_ns_steps", self.muon_num_ns_steps, minimum=1)
-    if self.muon_match_adamw_update_rms and not isinstance(
-        self.muon_extra_scale_factor, _Default):
+    if self.muon_match_adamw_update_rms and (
+        self.muon_extra_scale_factor is not None):
       raise ValueError(
           "muon_match_adamw_update_rms=True derives muon_extra_scale_factor "
           f"from betas[0], but muon_extra_scale_factor="
-          f"{float(self.muon_extra_scale_factor)} was also set; set exactly one")
+          f"{self.muon_extra_scale_factor} was also set; set exactly one")
 
   @classmethod
   def field_names(cls) -> tuple[str, ...]:
@@ -121,8 +120,21 @@ class MuonConfig:
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "MuonConfig":
-    """From ``{name: value}``; names may carry a dotted prefix (``optim.lr``)."""
-    return cls(**parse_fields(cls, values))
+    """From ``{name: value}``; names may carry a dotted prefix (``optim.lr``)
+    or be nested (``{"optim": {"lr": 1e-3}}``).
+
+    Warns once, naming them, when ``muon_*`` fields are set to other than
+    their defaults but the optimizer is ``"adam"`` (they have no effect then).
+    """
+    fields = parse_fields(cls, values)
+    config = cls(**fields)
+    defaults = cls()
+    ignored = sorted(n for n in fields if n.startswith("muon_") and
+                     getattr(config, n) != getattr(defaults, n))
+    if config.optimizer == "adam" and ignored:
+      warnings.warn(f"optimizer='adam' ignores the muon_* fields that were set: "
+                    f"{ignored}; set optimizer=muon to use them", stacklevel=2)
+    return config
 
   @classmethod
   def from_overrides(cls, overrides: Iterable[str]) -> "MuonConfig":
@@ -130,11 +142,19 @@ class MuonConfig:
     return cls.from_dict(split_overrides(overrides))
 
   @property
-  def extra_scale_factor(self) -> float | None:
-    """``None`` when AdamW-RMS matching derives it, else the factor."""
+  def extra_scale_factor(self) -> float:
+    """The resolved factor after the shape scale: ``muon_extra_scale_factor``,
+    or when unset 1.0, or the RMS-matching factor from ``betas[0]``."""
     if self.muon_match_adamw_update_rms:
-      return None
+      return scaling.adamw_rms_match_factor(self.betas[0])
+    if self.muon_extra_scale_factor is None:
+      return 1.0
     return float(self.muon_extra_scale_factor)
+
+  @property
+  def tp_mode(self) -> str:
+    """``muon_tp_mode``, or Megatron's ``"blockwise"`` when unset."""
+    return self.muon_tp_mode or "blockwise"
 
   def build(self, learning_rate=None, *, params=None, mesh=None,
             split_qkv: layout.SplitQKV | None = None, labels=None,
@@ -145,8 +165,11 @@ class MuonConfig:
       learning_rate: a float or optax schedule; ``None`` uses ``lr``.
       params: the params (or their shapes), used to check the settings
         against the model (fused QKV leaves need ``split_qkv``).
-      mesh: a ``jax.sharding.Mesh`` for tensor-parallel / layer-wise modes.
-      split_qkv: head counts of the fused QKV kernels, for ``muon_split_qkv``.
+      mesh: a ``jax.sharding.Mesh`` for tensor-parallel / layer-wise modes
+        (needed when ``muon_tp_mode`` is set).
+      split_qkv: head counts of the fused QKV kernels, for ``muon_split_qkv``
+        (params with fused QKV leaves and none raise, here when ``params`` is
+        given, else at ``init``).
       labels: as in ``muon``; ``None`` uses ``default_labels``.
       specs: the params' ``PartitionSpec``s for ``TensorParallel`` (needed on
         meshes with Auto axes), e.g. ``nnx.get_partition_spec(state)``.
@@ -176,43 +199,59 @@ class MuonConfig:
                            f"mesh axis named 'data'; the mesh has {axes}")
         distribute = "data"
       sharding = sharding_lib.TensorParallel(
-          mesh, "model", self.muon_tp_mode, specs=specs,
+          mesh, "model", self.tp_mode, specs=specs,
           distribute_over=distribute)
     elif self.use_layer_wise_distributed_optimizer:
       raise ValueError("use_layer_wise_distributed_optimizer=True needs a mesh "
                        "with a 'data' axis: pass build(..., mesh=mesh)")
+    elif self.muon_tp_mode is not None:
+      raise ValueError(
+          f"muon_tp_mode={self.muon_tp_mode!r} is set but build() got no "
+          "mesh; pass build(..., mesh=mesh) or leave muon_tp_mode unset")
     split = split_qkv if self.muon_split_qkv else None
-    if self.muon_split_qkv and split is None and params is not None:
-      fused = _fused_qkv_paths(params)
-      if fused:
-        raise ValueError(
-            f"muon_split_qkv=True but the params have fused QKV leaves "
-            f"({fused[0]}, ...) and build() got no split_qkv=SplitQKV(...) "
-            "with their head counts; pass it or set muon_split_qkv=False")
-    return optax.chain(*clip, alias.muon(
+    check_split = self.muon_split_qkv and split is None
+    if check_split and params is not None:
+      _check_no_fused_qkv(params)
+    tx = optax.chain(*clip, alias.muon(
         lr, beta=self.muon_momentum, nesterov=self.muon_nesterov,
         momentum_style=self.muon_momentum_style,
         coefficients=self.muon_coefficient_type, steps=self.muon_num_ns_steps,
         precision=self.muon_fp32_matmul_prec, scale_mode=self.muon_scale_mode,
-        extra_scale_factor=self.extra_scale_factor,
+        extra_scale_factor=self.muon_extra_scale_factor,
         match_adamw_update_rms=self.muon_match_adamw_update_rms,
         split_qkv=split, sharding=sharding, weight_decay=self.weight_decay,
         weight_decay_mask=decay_mask, labels=labels,
         scalar_optimizer=self.muon_scalar_optimizer, adam_b1=b1, adam_b2=b2,
         adam_eps=self.eps, adam_weight_decay=self.weight_decay,
         adam_weight_decay_mask=decay_mask))
+    if not check_split:
+      return tx
+
+    def init_fn(params):
+      _check_no_fused_qkv(params)
+      return tx.init(params)
+
+    return optax.GradientTransformationExtraArgs(init_fn, tx.update)
 
 
-def _fused_qkv_paths(params) -> list[str]:
-  """Paths of the matrices that ``SplitQKV``'s default pattern would split."""
+def _check_no_fused_qkv(params) -> None:
+  """Raises when ``SplitQKV``'s default pattern finds fused QKV matrices."""
   pattern = layout.SplitQKV.pattern
   leaves, _ = _paths.leaves_with_paths(params)
-  return [_paths.path_string(p) for p, leaf in leaves
-          if _paths.matches([pattern], p) and jax.numpy.ndim(leaf) >= 2]
+  fused = [_paths.path_string(p) for p, leaf in leaves
+           if _paths.matches([pattern], p) and jax.numpy.ndim(leaf) >= 2]
+  if fused:
+    raise ValueError(
+        f"muon_split_qkv=True but the params have fused QKV leaves "
+        f"({fused[0]}, ...) and build() got no split_qkv=SplitQKV(...) "
+        "with their head counts; pass it or set muon_split_qkv=False")
 
 
 def split_overrides(overrides: Iterable[str]) -> dict[str, str]:
   """``["a.b=1", ...]`` as ``{"a.b": "1", ...}``."""
+  if isinstance(overrides, (str, bytes)):
+    raise TypeError(f"overrides must be a list of 'key=value' strings, got the "
+                    f"single string {overrides!r}; wrap it in a list")
   values = {}
   for item in overrides:
     key, sep, value = item.partition("=")
@@ -227,13 +266,28 @@ def parse_fields(cls, values: Mapping[str, Any]) -> dict[str, Any]:
   allowed) to values or strings; an unknown name raises ``ValueError``."""
   hints = typing.get_type_hints(cls)
   known = [f.name for f in dataclasses.fields(cls)]
-  fields = {}
-  for key, value in values.items():
+  fields, keys = {}, {}
+  for key, value in _flatten(values).items():
     name = key.rsplit(".", 1)[-1]
     if name not in known:
       raise ValueError(f"unknown field {key!r}; accepted fields: {known}")
+    if name in keys and keys[name] != key:
+      raise ValueError(f"field {name!r} is set twice, as {keys[name]!r} and "
+                       f"{key!r}; set it once")
+    keys[name] = key
     fields[name] = _coerce(name, value, hints[name])
   return fields
+
+
+def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """``{"optim": {"lr": 1}}`` as ``{"optim.lr": 1}``."""
+  flat = {}
+  for key, value in values.items():
+    if isinstance(value, Mapping):
+      flat.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
 
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -255,9 +309,11 @@ def _coerce(name: str, value: Any, hint) -> Any:
     if isinstance(value, bool):
       return value
     raise ValueError(f"{name}={value!r} is not a bool; accepted: true/false")
+  if value is None or (isinstance(value, str) and value.lower() in (
+      "none", "null")):
+    raise ValueError(f"{name}={value!r} is not accepted: {name} cannot be "
+                     f"unset; give a value of type {getattr(hint, '__name__', hint)}")
   if hint in (int, float):
-    if isinstance(value, _Default):
-      return value
     whole = hint is int
     try:
       if isinstance(value, bool) or (whole and isinstance(value, float)

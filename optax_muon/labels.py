@@ -1,25 +1,40 @@
-"""Which leaf goes to Muon and which to the scalar optimizer (AdamW).
+"""Which leaf goes to Muon, which to the scalar optimizer (AdamW), which to none.
 
 Muon is for the hidden weight matrices. Embeddings, the unembedding (lm_head),
 norm scales, biases and every other vector go to AdamW. Leaves with three or
 more axes (scan-stacked layers, MoE experts, fused heads) are Muon leaves: their
-extra axes are batch axes, never a reason to fall back to AdamW.
+extra axes are batch axes, never a reason to fall back to AdamW. Leaves that
+are not floating point (integer counters, boolean masks) get ``"none"``: no
+update and no optimizer state.
 """
 
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optax_muon import _paths
 
-MUON, ADAM = "muon", "adam"
-LABELS = (MUON, ADAM)
+MUON, ADAM, NONE = "muon", "adam", "none"
+LABELS = (MUON, ADAM, NONE)
 
-# Regexes searched in the lower-cased, "/"-joined parameter path.
+
+def _component(names: str) -> str:
+  """A regex matching a whole path component made of ``names``."""
+  return rf"(^|/)({names})(/|$)"
+
+
+# Regexes searched in the "/"-joined parameter path, ignoring case. Each
+# matches whole path components only: "embed_proj", "denormalizer" and
+# "lnr_mlp" are matrices, "embed_tokens", "final_norm" and "ln_f" are not.
 DEFAULT_ADAM_PATTERNS = (
-    r"embed", r"(^|/)wte(/|$)", r"(^|/)wpe(/|$)", r"lm_head", r"unembed",
-    r"(^|/)head(/|$)", r"norm", r"(^|/)ln", r"(^|/)scale(/|$)", r"bias",
+    _component(r"(\w+_)?(embed|embeds|embedding|embeddings|embedder)(_\d+)?"
+               r"|embed_tokens|wte|wpe"),
+    _component(r"lm_head|unembed|unembedding|(\w+_)?head(_\d+)?"),
+    _component(r"(\w+_)?(layer_?norm|rms_?norm|group_?norm|batch_?norm|norm)"
+               r"(_?\d+)?|ln(_?(\d+|f|final|pre|post))?"),
+    _component(r"scale|(\w+_)?bias(es)?"),
 )
 DEFAULT_MUON_PATTERNS = ()
 
@@ -28,23 +43,34 @@ def _is_vector(shape: Sequence[int]) -> bool:
   return len(shape) < 2 or min(shape[-2:]) == 1
 
 
+def is_float(leaf) -> bool:
+  """Whether a leaf (array, shape struct or scalar) is floating or complex."""
+  dtype = getattr(leaf, "dtype", None)
+  dtype = np.asarray(leaf).dtype if dtype is None else dtype
+  return jnp.issubdtype(dtype, jnp.inexact)
+
+
 def default_labels(params, *, adam_patterns: Sequence[str] = DEFAULT_ADAM_PATTERNS,
                    muon_patterns: Sequence[str] = DEFAULT_MUON_PATTERNS):
-  """Labels each leaf ``"muon"`` or ``"adam"`` by its path and shape.
+  """Labels each leaf ``"muon"``, ``"adam"`` or ``"none"`` by path, shape, dtype.
 
-  A leaf is ``"muon"`` when its path matches a ``muon_patterns`` regex, else
-  ``"adam"`` when it is a vector (fewer than 2 axes, or a last-two-axes shape
-  with a 1) or its path matches an ``adam_patterns`` regex, else ``"muon"``.
-  The router of an MoE is a matrix and goes to Muon (as in Megatron-Core);
-  add ``"router"`` to ``adam_patterns`` to send it to AdamW.
+  A leaf that is not floating point is ``"none"``. Otherwise it is ``"muon"``
+  when its path matches a ``muon_patterns`` regex, else ``"adam"`` when it is
+  a vector (fewer than 2 axes, or a last-two-axes shape with a 1) or its path
+  matches an ``adam_patterns`` regex, else ``"muon"``. Patterns are searched
+  in the ``/``-joined path ignoring case; the built-in ones match whole path
+  components (``embed``, ``wte``, ``lm_head``, ``head``, ``*_norm``, ``ln_f``,
+  ``scale``, ``bias``, …). The router of an MoE is a matrix and goes to Muon
+  (as in Megatron-Core); add ``"router"`` to ``adam_patterns`` for AdamW.
 
   Args:
     params: the parameter tree (arrays, shape structs or ``flax.nnx.State``).
-    adam_patterns: regexes for the paths that go to AdamW.
+    adam_patterns: regexes for the paths that go to AdamW (they replace the
+      built-in ones: extend ``DEFAULT_ADAM_PATTERNS`` to keep those).
     muon_patterns: regexes for the paths that go to Muon whatever their name.
 
   Returns:
-    A tree like ``params`` of ``"muon"`` / ``"adam"`` strings.
+    A tree like ``params`` of ``"muon"`` / ``"adam"`` / ``"none"`` strings.
 
   Raises:
     ValueError: a ``muon_patterns`` match that is not a matrix.
@@ -53,7 +79,9 @@ def default_labels(params, *, adam_patterns: Sequence[str] = DEFAULT_ADAM_PATTER
   labels = []
   for path, leaf in leaves:
     shape = jnp.shape(leaf)
-    if _paths.matches(muon_patterns, path):
+    if not is_float(leaf):
+      labels.append(NONE)
+    elif _paths.matches(muon_patterns, path):
       if len(shape) < 2:
         raise ValueError(
             f"muon_patterns={list(muon_patterns)} matched "
@@ -68,17 +96,35 @@ def default_labels(params, *, adam_patterns: Sequence[str] = DEFAULT_ADAM_PATTER
 
 
 def label_fn(labels) -> Callable:
-  """``labels`` (``None``, a tree or a callable) as a checked callable."""
+  """``labels`` (``None``, a tree or a callable) as a checked callable.
+
+  A tree (or a callable's result) is read by path, a prefix of the params
+  allowed; a path that names no parameter, a leaf left without a label, a
+  value outside ``LABELS`` and a non-float leaf given an optimizer raise
+  ``ValueError``.
+  """
   if labels is None:
     return default_labels
-  resolve = labels if callable(labels) else (lambda params: labels)
+  lookup = _paths.PathLookup("labels", labels, str)
 
   def checked(params):
-    tree = resolve(params)
-    bad = {leaf for leaf in jax.tree.leaves(tree) if leaf not in LABELS}
-    if bad:
-      raise ValueError(f"labels has values {sorted(map(str, bad))}; accepted "
-                       f"values: {list(LABELS)}")
-    return tree
+    label_of = lookup.resolve(params)
+    leaves, treedef = _paths.leaves_with_paths(params)
+    tree = []
+    for path, leaf in leaves:
+      label, where = label_of(path), _paths.path_string(path) or "<root>"
+      if label is None:
+        raise ValueError(f"labels gives no label for leaf {where}; accepted "
+                         f"values: {list(LABELS)}")
+      if label not in LABELS:
+        raise ValueError(f"labels has {label!r} for leaf {where}; accepted "
+                         f"values: {list(LABELS)}")
+      if label != NONE and not is_float(leaf):
+        raise ValueError(
+            f"labels sends leaf {where} of dtype {getattr(leaf, 'dtype', None)} to "
+            f"{label!r}; a leaf that is not floating point can only be "
+            f"{NONE!r} (no update)")
+      tree.append(label)
+    return jax.tree.unflatten(treedef, tree)
 
   return checked

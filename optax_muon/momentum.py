@@ -16,14 +16,29 @@ class MomentumState(NamedTuple):
   mu: optax.Updates
 
 
-def _canonical_dtype(dtype):
+def canonical_dtype(name: str, dtype):
+  """``dtype`` as a ``jnp.dtype`` (or None); ``name`` is the argument's."""
   if dtype is None:
     return None
   try:
-    return jnp.dtype(dtype)
+    dtype = jnp.dtype(dtype)
   except TypeError as error:
-    raise ValueError(f"dtype={dtype!r} is not a dtype; accepted: None or a "
+    raise ValueError(f"{name}={dtype!r} is not a dtype; accepted: None or a "
                      "floating dtype such as 'float32'") from error
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    raise ValueError(f"{name}={dtype!r} is not a floating dtype; accepted: "
+                     "None or a floating dtype such as 'float32'")
+  return dtype
+
+
+def _buffer_dtype(param_dtype, dtype):
+  """The buffer's dtype: ``dtype`` (complex of that precision for a complex
+  param, so the imaginary part is kept), or else the param's."""
+  if dtype is None:
+    return param_dtype
+  if jnp.issubdtype(param_dtype, jnp.complexfloating):
+    return jnp.result_type(dtype, jnp.complex64)
+  return dtype
 
 
 def momentum(beta=0.95, *, nesterov: bool = True, style: str = "ema",
@@ -43,7 +58,8 @@ def momentum(beta=0.95, *, nesterov: bool = True, style: str = "ema",
     nesterov: use the Nesterov look-ahead.
     style: ``"ema"`` or ``"sgd"``.
     dtype: dtype of the buffer; ``None`` keeps each param's dtype (use
-      ``"float32"`` for bf16 params).
+      ``"float32"`` for bf16 params; a complex param gets the complex dtype
+      of that precision).
 
   Returns:
     An ``optax.GradientTransformation`` with state ``MomentumState``.
@@ -55,13 +71,14 @@ def momentum(beta=0.95, *, nesterov: bool = True, style: str = "ema",
   _checks.check_choice("style", style, MOMENTUM_STYLES)
   if not isinstance(nesterov, bool):
     raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
-  dtype = _canonical_dtype(dtype)
+  dtype = canonical_dtype("dtype", dtype)
   gradient_weight = (lambda: 1.0 - beta) if style == "ema" else (lambda: 1.0)
 
   def init_fn(params):
     # zeros_like keeps each param's sharding
     return MomentumState(mu=jax.tree.map(
-        lambda p: jnp.zeros_like(p, dtype=dtype or jnp.result_type(p)), params))
+        lambda p: jnp.zeros_like(p, dtype=_buffer_dtype(jnp.result_type(p),
+                                                         dtype)), params))
 
   def update_fn(updates, state, params=None):
     del params

@@ -10,6 +10,27 @@ from optax_muon import coefficients as coefficients_lib
 PRECISIONS = ("highest", "high", "medium")
 
 
+def working_dtype(dtype) -> jnp.dtype:
+  """The iteration's dtype: complex64 for complex input, else float32."""
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return jnp.dtype(jnp.complex64)
+  return jnp.dtype(jnp.float32)
+
+
+def check_precision_for(dtype, precision: str, where: str = "x") -> None:
+  """Raises ValueError for complex input at ``"medium"`` (no complex bf16)."""
+  if precision == "medium" and jnp.issubdtype(dtype, jnp.complexfloating):
+    raise ValueError(
+        f"precision='medium' rounds every product to bfloat16, which has no "
+        f"complex type, but {where} is {jnp.dtype(dtype).name}; accepted "
+        "precisions for complex matrices: ['highest', 'high']")
+
+
+def conj_transpose(x: jax.Array) -> jax.Array:
+  """``xᴴ`` over the last two axes (``xᵀ`` for real ``x``)."""
+  return jnp.conj(jnp.swapaxes(x, -1, -2))
+
+
 def matmul(a: jax.Array, b: jax.Array, precision: str) -> jax.Array:
   """``a @ b`` over leading batch axes, at one of ``PRECISIONS``.
 
@@ -45,7 +66,7 @@ def normalize(x: jax.Array, eps: float, axis_name=None) -> jax.Array:
                                            keepdims=True), axis_name)
   x = x / jnp.where(peak > 0, peak, 1.0)
   norm = jnp.sqrt(_all_reduce(jax.lax.psum, jnp.sum(
-      jnp.square(x), axis=(-2, -1), keepdims=True), axis_name))
+      jnp.square(jnp.abs(x)), axis=(-2, -1), keepdims=True), axis_name))
   return x / jnp.maximum(norm, eps)
 
 
@@ -58,15 +79,16 @@ def iterate(x: jax.Array, table: np.ndarray, mode: str, steps,
   (``optax.inject_hyperparams``): the loop then has a dynamic trip count and
   looks its coefficients up per step. Inside ``shard_map``, ``axis_name``
   names the mesh axis the columns of ``x`` are split over: the Gram matrix
-  ``X Xᵀ`` is then the sum of the shards' (one all-reduce a step).
+  ``X Xᵀ`` is then the sum of the shards' (one all-reduce a step). Complex
+  ``x`` uses ``X Xᴴ``.
   """
   rows = jnp.asarray(table, jnp.float32)
   cubic = bool(np.all(table[:, 2] == 0))
-  mT = lambda m: jnp.swapaxes(m, -1, -2)
 
   def step(i, X):
     a, b, c = rows[coefficients_lib.schedule_index(i, len(table), mode, jnp)]
-    A = _all_reduce(jax.lax.psum, matmul(X, mT(X), precision), axis_name)
+    A = _all_reduce(jax.lax.psum, matmul(X, conj_transpose(X), precision),
+                    axis_name)
     B = b * A if cubic else b * A + c * matmul(A, A, precision)
     return a * X + matmul(B, X, precision)
 
@@ -81,12 +103,12 @@ def gram_saves_flops(m: int, n: int) -> bool:
   return max(m, n) >= GRAM_MIN_ASPECT * min(m, n)
 
 
-def iterate_gram(x: jax.Array, table: np.ndarray, mode: str, steps: int,
+def iterate_gram(x: jax.Array, table: np.ndarray, mode: str, steps,
                  precision: str, restart: int = 2) -> jax.Array:
   """``iterate`` on the m×m Gram matrix: the same polynomial, fewer FLOPs.
 
   Every iterate is ``X_k = Q_k X_0`` with ``Q_k`` a polynomial of
-  ``G = X_0 X_0ᵀ`` that commutes with it, so with ``R = X_k X_kᵀ``::
+  ``G = X_0 X_0ᴴ`` that commutes with it, so with ``R = X_k X_kᴴ``::
 
     P = a I + b R + c R²;   Q ← P Q;   R ← P R P
 
@@ -94,14 +116,14 @@ def iterate_gram(x: jax.Array, table: np.ndarray, mode: str, steps: int,
   per step, instead of ``4m²n + 2m³`` per step. Rounding grows with the steps
   taken on the Gram matrix, so the iteration restarts once, from
   ``X = Q X_0``, after ``restart`` steps. ``x`` is wide and normalized;
-  ``steps`` a Python int.
+  ``steps`` an int, or traced (``optax.inject_hyperparams``): then each
+  segment is one loop with a dynamic trip count.
 
   References:
     Zhang, Amsel, Chen, Dao, `Gram Newton–Schulz`, 2026
   """
   rows = jnp.asarray(table, jnp.float32)
   cubic = bool(np.all(table[:, 2] == 0))
-  mT = lambda m: jnp.swapaxes(m, -1, -2)
   eye = jnp.eye(x.shape[-2], dtype=x.dtype)
 
   def polynomial(i, R):
@@ -113,12 +135,21 @@ def iterate_gram(x: jax.Array, table: np.ndarray, mode: str, steps: int,
     P = polynomial(i, R)
     return matmul(P, Q, precision), matmul(P, matmul(R, P, precision), precision)
 
+  gram = lambda x: matmul(x, conj_transpose(x), precision)
+  if _checks.is_traced(steps):
+    # Q starts at I, so a segment of no steps leaves x as it is.
+    for start, stop in ((0, jnp.minimum(restart, steps)), (restart, steps)):
+      Q = jnp.broadcast_to(eye, x.shape[:-1] + x.shape[-2:-1])
+      Q, _ = jax.lax.fori_loop(start, jnp.maximum(stop, start), step,
+                               (Q, gram(x)))
+      x = matmul(Q, x, precision)
+    return x
   # The first step of a segment starts from Q = I and its last needs no new
   # R, so they are taken out of the loop: 2m³ + 4m³ fewer FLOPs a segment.
   for start, stop in ((0, min(restart, steps)), (restart, steps)):
     if stop <= start:
       continue
-    R = matmul(x, mT(x), precision)
+    R = gram(x)
     Q = polynomial(start, R)
     if stop - start > 1:
       R = matmul(Q, matmul(R, Q, precision), precision)
@@ -151,13 +182,15 @@ def newton_schulz(x: jax.Array, *, coefficients="quintic", steps=5,
     for (a, b, c) in schedule:  A = X Xᵀ;  B = b A + c A A;  X = a X + B X
 
   which drives every singular value of ``X`` towards 1, so ``X ≈ U Vᵀ`` for
-  ``G = U Σ Vᵀ``. The iteration runs in fp32 whatever ``x.dtype``.
+  ``G = U Σ Vᵀ``. The iteration runs in fp32 whatever ``x.dtype``; a complex
+  ``x`` runs in complex64 with ``X Xᴴ`` and gives ``U Vᴴ``.
 
   Args:
     x: array of shape ``(..., m, n)``.
     coefficients: a name in ``COEFFICIENT_SETS`` or a list of ``(a, b, c)``.
     steps: number of steps (an int ≥ 1; may be traced).
-    precision: ``"highest"``, ``"high"`` or ``"medium"`` (see ``matmul``).
+    precision: ``"highest"``, ``"high"`` or ``"medium"`` (see ``matmul``;
+      not ``"medium"`` for complex ``x``).
     eps: floor of the Frobenius norm, reached only by the zero matrix.
 
   Returns:
@@ -173,8 +206,9 @@ def newton_schulz(x: jax.Array, *, coefficients="quintic", steps=5,
   _checks.check_range("eps", eps, 0.0, np.inf)
   if x.ndim < 2:
     raise ValueError(f"newton_schulz needs x of shape (..., m, n), got {x.shape}")
+  check_precision_for(x.dtype, precision)
   tall = x.shape[-2] > x.shape[-1]
-  X = x.astype(jnp.float32)
+  X = x.astype(working_dtype(x.dtype))
   if tall:
     X = jnp.swapaxes(X, -1, -2)
   X = iterate(normalize(X, eps), table, mode, steps, precision)

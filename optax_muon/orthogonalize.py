@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from optax_muon import _checks
+from optax_muon import _paths
 from optax_muon import coefficients as coefficients_lib
 from optax_muon import layout
 from optax_muon import newton_schulz as ns
@@ -49,8 +50,9 @@ def _chunks(groups, sizes, ranks: int = 1):
 
 
 def _wide(matrix: jax.Array) -> jax.Array:
-  """The matrix in fp32, turned to m ≤ n."""
-  matrix = matrix.astype(jnp.float32)
+  """The matrix in the iteration's dtype (fp32, or complex64), turned to
+  m ≤ n."""
+  matrix = matrix.astype(ns.working_dtype(matrix.dtype))
   tall = matrix.shape[-2] > matrix.shape[-1]
   return jnp.swapaxes(matrix, -1, -2) if tall else matrix
 
@@ -66,7 +68,8 @@ def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
   """
   groups = {}
   for index, matrix in enumerate(matrices):
-    groups.setdefault(tuple(sorted(matrix.shape[-2:])), []).append(index)
+    key = (tuple(sorted(matrix.shape[-2:])), ns.working_dtype(matrix.dtype))
+    groups.setdefault(key, []).append(index)
   sizes = [matrix.size * 4 for matrix in matrices]
   results = [None] * len(matrices)
   ranks = 1 if distribute_axis is None else jax.lax.axis_size(distribute_axis)
@@ -81,9 +84,8 @@ def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
           stack, jax.lax.axis_index(distribute_axis) * (padded // ranks),
           padded // ranks)
     m, n = stack.shape[-2:]
-    if method == "gram" and ns.gram_saves_flops(m, n) and not _checks.is_traced(
-        steps):
-      stack = ns.iterate_gram(ns.normalize(stack, eps), table, mode, int(steps),
+    if method == "gram" and ns.gram_saves_flops(m, n):
+      stack = ns.iterate_gram(ns.normalize(stack, eps), table, mode, steps,
                               precision)
     else:
       stack = ns.iterate(ns.normalize(stack, eps), table, mode, steps,
@@ -104,7 +106,8 @@ def _distributed_newton_schulz(matrices, axis_name, table, mode, steps,
   """NS of matrices whose columns are split over ``axis_name`` (shard_map)."""
   out = []
   for matrix in matrices:
-    x = ns.normalize(matrix.astype(jnp.float32), eps, axis_name)
+    x = ns.normalize(matrix.astype(ns.working_dtype(matrix.dtype)), eps,
+                     axis_name)
     x = ns.iterate(x, table, mode, steps, precision, axis_name)
     out.append(x.astype(matrix.dtype))
   return out
@@ -128,8 +131,8 @@ def orthogonalize(*, coefficients="quintic", steps=5,
     precision: ``"highest"``, ``"high"`` or ``"medium"``.
     method: ``"standard"`` or ``"gram"``: Gram Newton–Schulz (iterate on the
       m×m Gram matrix, restart once after step 2) for the groups whose aspect
-      ratio is at least 2.5, where it saves FLOPs; the standard form elsewhere
-      and when ``steps`` is traced.
+      ratio is at least 2.5, where it saves FLOPs (also with ``steps``
+      traced); the standard form elsewhere.
     dimension_numbers: ``None``, an ``optax.contrib.MuonDimensionNumbers``
       for every leaf, a tree of them, or a callable of the params.
     split_qkv: ``None``, a ``SplitQKV``, a tree of them or a callable.
@@ -154,8 +157,13 @@ def orthogonalize(*, coefficients="quintic", steps=5,
                   eps=eps)
   grouped = dict(settings, method=method)
 
+  def check_dtypes(views):
+    for path, leaf, _ in views:
+      ns.check_precision_for(jnp.result_type(leaf), precision,
+                             f"leaf {_paths.path_string(path) or '<root>'}")
+
   def init_fn(params):
-    resolve_views(params)  # bad dimension numbers or splits raise here
+    check_dtypes(resolve_views(params))  # bad layouts or dtypes raise here
     if sharding is not None and (sharding.specs is not None or
                                  sharding._explicit()):
       sharding.leaf_specs(params)  # and bad specs here
@@ -164,6 +172,7 @@ def orthogonalize(*, coefficients="quintic", steps=5,
   def update_fn(updates, state, params=None):
     del params
     views = resolve_views(updates)
+    check_dtypes(views)
     if sharding is not None:
       leaves = sharding_lib.orthogonalize_sharded(
           [leaf for _, leaf, _ in views], [view for _, _, view in views],

@@ -30,7 +30,7 @@ def scale_factor(fan_out: int, fan_in: int, mode: str = "spectral") -> float:
   Returns:
     The factor, a Python float.
   """
-  _checks.check_choice("scale_mode", mode, SCALE_MODES)
+  _checks.check_choice("mode", mode, SCALE_MODES)
   for name, value in (("fan_out", fan_out), ("fan_in", fan_in)):
     _checks.check_int(name, value, minimum=1)
   if mode == "spectral":
@@ -80,7 +80,7 @@ def scale_by_shape(mode: str = "spectral", *, dimension_numbers=None,
   Returns:
     A stateless ``optax.GradientTransformation``.
   """
-  _checks.check_choice("scale_mode", mode, SCALE_MODES)
+  _checks.check_choice("mode", mode, SCALE_MODES)
   sharding_lib.check_sharding(sharding)
   resolve_views = layout.view_resolver(dimension_numbers, split_qkv)
 

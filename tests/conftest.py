@@ -8,10 +8,30 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import numpy as np  # noqa: E402  (after the flags on purpose)
+import jax  # noqa: E402  (after the flags on purpose)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-DATA = pathlib.Path(__file__).parent / "data"
+ROOT = pathlib.Path(__file__).parents[1]
+DATA = ROOT / "tests" / "data"
+
+
+def gaussian(shape, seed=0, dtype=jnp.float32):
+  """Standard normal entries (complex: real and imaginary parts each)."""
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    real, imag = jax.random.split(jax.random.key(seed))
+    return (jax.random.normal(real, shape) +
+            1j * jax.random.normal(imag, shape)).astype(dtype)
+  return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def polar(x):
+  """The polar factor ``U Vᴴ`` of each matrix of ``x`` (float64 SVD)."""
+  x = np.asarray(x)
+  x = x.astype(np.complex128 if np.iscomplexobj(x) else np.float64)
+  u, _, vh = np.linalg.svd(x, full_matrices=False)
+  return u @ vh
 
 
 def det(m, n, a, b, c):

@@ -7,15 +7,17 @@ import pytest
 
 import optax_muon as om
 
-# verl's actor.optim and Megatron-Core's muon_* defaults (DESIGN §7)
+# verl's actor.optim and Megatron-Core's muon_* defaults (DESIGN §7); None is
+# "unset": muon_tp_mode resolves to blockwise with a mesh, the extra factor to
+# 1.0 or the RMS-matching factor
 DEFAULTS = {
     "optimizer": "adam", "lr": 1e-6, "betas": (0.9, 0.999), "eps": 1e-8,
     "weight_decay": 0.01, "clip_grad": 1.0,
     "use_layer_wise_distributed_optimizer": False, "muon_momentum": 0.95,
     "muon_nesterov": False, "muon_split_qkv": True,
     "muon_scale_mode": "spectral", "muon_coefficient_type": "quintic",
-    "muon_num_ns_steps": 5, "muon_tp_mode": "blockwise",
-    "muon_fp32_matmul_prec": "medium", "muon_extra_scale_factor": 1.0,
+    "muon_num_ns_steps": 5, "muon_tp_mode": None,
+    "muon_fp32_matmul_prec": "medium", "muon_extra_scale_factor": None,
     "muon_scalar_optimizer": "adam", "muon_match_adamw_update_rms": False,
     "muon_momentum_style": "ema",
 }
@@ -81,7 +83,8 @@ def test_match_adamw_update_rms_conflicts_with_any_explicit_extra_factor():
                                     f"muon_extra_scale_factor={value}"])
   with pytest.raises(ValueError, match="set exactly one"):
     om.MuonConfig(muon_match_adamw_update_rms=True, muon_extra_scale_factor=1.0)
-  assert om.MuonConfig(muon_match_adamw_update_rms=True).extra_scale_factor is None
+  assert om.MuonConfig(muon_match_adamw_update_rms=True).extra_scale_factor == (
+      pytest.approx(om.adamw_rms_match_factor(0.9)))
 
 
 def test_resolved_factor_is_logged(caplog):

@@ -39,7 +39,7 @@ CASES = {
         lambda: om.momentum(style="adam"), ValueError, ["style", "ema", "sgd"]),
     "unknown scale mode": (
         lambda: om.scale_by_shape("rms"), ValueError,
-        ["scale_mode", "spectral", "unit_rms_norm"]),
+        ["mode", "spectral", "unit_rms_norm"]),
     "unknown precision": (
         lambda: om.orthogonalize(precision="fp8"), ValueError,
         ["precision", "highest", "medium"]),

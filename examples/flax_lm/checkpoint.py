@@ -45,10 +45,14 @@ class Checkpointer:
     self._manager.wait_until_finished()
 
   def restore_latest(self, like):
-    """``(state, meta)`` of the newest good checkpoint, or ``None``.
+    """``(state, meta)`` of the newest good checkpoint, or ``None`` if there
+    is no checkpoint.
 
     Args:
       like: a tree with the structure, shapes and dtypes of the saved state.
+
+    Raises:
+      ValueError: there are checkpoints but none of them restores.
     """
     leaves, treedef = jax.tree.flatten(like)
     target = [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
@@ -66,4 +70,8 @@ class Checkpointer:
                         "trying the previous one", step, self.directory, error)
         continue
       return jax.tree.unflatten(treedef, arrays), meta
+    if self._manager.all_steps():
+      raise ValueError(f"no checkpoint in {self.directory} restores (steps "
+                       f"{sorted(self._manager.all_steps())} are unreadable or "
+                       "corrupted); remove them or start without --resume")
     return None

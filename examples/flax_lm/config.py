@@ -56,9 +56,11 @@ PRESETS = {
               "optim": dict(lr=4e-3)},
 }
 
-# what the example changes from verl's fine-tuning defaults for pre-training
-EXAMPLE_OPTIM = dict(weight_decay=0.1, muon_match_adamw_update_rms=True,
-                     muon_nesterov=True, muon_fp32_matmul_prec="highest")
+# what the example changes from verl's fine-tuning defaults for pre-training;
+# the muon_* ones only for Muon runs (an AdamW config setting them warns)
+EXAMPLE_OPTIM = dict(weight_decay=0.1)
+EXAMPLE_MUON = dict(muon_match_adamw_update_rms=True, muon_nesterov=True,
+                    muon_fp32_matmul_prec="highest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,19 +88,26 @@ def run_config(overrides=()) -> RunConfig:
   if preset not in PRESETS:
     raise ValueError(f"preset={preset!r} is not accepted; accepted values: "
                      f"{list(PRESETS)}")
-  sections = {"model": {}, "train": {}, "optim": dict(EXAMPLE_OPTIM)}
+  sections = {"model": {}, "train": {}, "optim": {}}
   for section, fields in PRESETS[preset].items():
-    sections[section].update(fields)
+    if section != "optim":
+      sections[section].update(fields)
   for key, value in values.items():
     section, field = key.split(".", 1)[0], key.rsplit(".", 1)[-1]
     if section not in ("model", "train"):
-      section = "optim"
-    if section == "optim" and "." not in key:
-      raise ValueError(f"override {key!r} names no section; accepted: "
-                       "preset, model.*, train.*, optim.* (or a verl path)")
-    sections[section][field] = value
+      if "." not in key:
+        raise ValueError(f"override {key!r} names no section; accepted: "
+                         "preset, model.*, train.*, optim.* (or a verl path)")
+      sections["optim"][key] = value
+    else:
+      sections[section][field] = value
+  # typed, and a field given under two verl prefixes raises
+  optim = parse_fields(MuonConfig, sections["optim"])
+  defaults = dict(EXAMPLE_OPTIM, **PRESETS[preset].get("optim", {}))
+  if optim.get("optimizer") == "muon":
+    defaults.update(EXAMPLE_MUON)
   return RunConfig(
       preset=preset,
       model=GPTConfig(**parse_fields(GPTConfig, sections["model"])),
       train=TrainConfig(**parse_fields(TrainConfig, sections["train"])),
-      optim=MuonConfig.from_dict(sections["optim"]))
+      optim=MuonConfig.from_dict(defaults | optim))

@@ -229,13 +229,16 @@ def main(argv=None):
   overrides = list(args.overrides)
   if args.data:
     overrides.append(f"train.data={args.data}")
-  cfg = config_lib.run_config(overrides)
-  mesh = parse_mesh(args.mesh) if args.mesh else None
-  final = train(cfg, resume=args.resume, mesh=mesh)
+  try:
+    cfg = config_lib.run_config(overrides)
+    mesh = parse_mesh(args.mesh) if args.mesh else None
+    final = train(cfg, resume=args.resume, mesh=mesh)
+  except (ValueError, TypeError, OSError) as error:
+    # a bad setting, path or checkpoint: one line, not a traceback
+    parser.exit(2, f"{parser.prog}: error: {error}\n")
   print(f"{cfg.name}: final val loss {final['final_val_loss']:.4f} "
         f"after {final['steps']} steps ({cfg.out_dir})")
   return final
-
 
 if __name__ == "__main__":
   main()
