@@ -130,7 +130,7 @@ def orthogonalize(*, coefficients="quintic", steps=5,
     steps: Newton–Schulz steps, an int ≥ 1 (may be traced).
     precision: ``"highest"``, ``"high"`` or ``"medium"``.
     method: ``"standard"`` or ``"gram"``: Gram Newton–Schulz (iterate on the
-      m×m Gram matrix, restart once after step 2) for the groups whose aspect
+      m×m Gram matrix, restart once after step 1) for the groups whose aspect
       ratio is at least 2.5, where it saves FLOPs (also with ``steps``
       traced); the standard form elsewhere.
     dimension_numbers: ``None``, an ``optax.contrib.MuonDimensionNumbers``
