@@ -3,6 +3,7 @@ the collectives they compile to, shardings kept, and the data-parallel split."""
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,34 +56,75 @@ def test_full_matrix_modes_equal_the_unsharded_update(mesh_shape, mode):
   tx = om.scale_by_muon(split_qkv=SPLIT,
                         sharding=om.TensorParallel(mesh, mode=mode))
   updates, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
-  for got, want in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
-    np.testing.assert_allclose(got, want, atol=1e-5)
+  chex.assert_trees_all_close(updates, expected, atol=1e-5)
 
 
-def test_blockwise_is_newton_schulz_of_each_shard_with_its_shape():
-  mesh = _mesh((2, 4))
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_blockwise_is_newton_schulz_of_each_shard_with_its_shape(mesh_shape):
+  mesh = _mesh(mesh_shape)
+  ranks = mesh.shape["model"]
   params, specs = _tree()
   tx = om.scale_by_muon(split_qkv=SPLIT,
                         sharding=om.TensorParallel(mesh, mode="blockwise"))
   updates, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
   updates = jax.tree.map(np.asarray, updates)
-  x = params["wide_out"]
-  for r in range(4):
-    shard = x[:, r * 16:(r + 1) * 16]  # (32, 16): its own matrix and scale
-    np.testing.assert_allclose(updates["wide_out"][:, r * 16:(r + 1) * 16],
-                               om.newton_schulz(shard) * np.sqrt(32), atol=1e-5)
-  x = params["tall_in"]
-  for r in range(4):
-    shard = x[r * 16:(r + 1) * 16]  # (16, 32)
-    np.testing.assert_allclose(updates["tall_in"][r * 16:(r + 1) * 16],
-                               om.newton_schulz(shard) * np.sqrt(32), atol=1e-5)
+  for name, axis in [("wide_out", 1), ("tall_in", 0)]:
+    shards = np.split(np.asarray(params[name]), ranks, axis=axis)
+    expected = np.concatenate(  # each shard its own matrix, with its shape
+        [om.newton_schulz(x) * np.sqrt(max(x.shape)) for x in shards], axis)
+    np.testing.assert_allclose(updates[name], expected, atol=1e-5)
   # each shard of the column-parallel QKV holds whole heads: Q, K, V split
-  shard = params["attn"]["qkv"][:, :24]  # 2 groups of [q | k | v], 4 wide each
-  groups = shard.reshape(32, 2, 12)
-  pieces = [groups[..., i * 4:(i + 1) * 4].reshape(32, 8) for i in range(3)]
-  expected = jnp.concatenate([(om.newton_schulz(p) * np.sqrt(32)).reshape(
-      32, 2, 4) for p in pieces], axis=-1).reshape(32, 24)
-  np.testing.assert_allclose(updates["attn"]["qkv"][:, :24], expected, atol=1e-5)
+  groups_per_shard = 8 // ranks
+  for r, shard in enumerate(np.split(np.asarray(params["attn"]["qkv"]), ranks,
+                                     axis=1)):
+    grouped = shard.reshape(32, groups_per_shard, 12)
+    pieces = [grouped[..., i * 4:(i + 1) * 4].reshape(32, -1) for i in range(3)]
+    expected = jnp.concatenate(
+        [(om.newton_schulz(p) * np.sqrt(max(p.shape))).reshape(
+            32, groups_per_shard, 4) for p in pieces], axis=-1).reshape(32, -1)
+    width = shard.shape[1]
+    np.testing.assert_allclose(
+        updates["attn"]["qkv"][:, r * width:(r + 1) * width], expected,
+        atol=1e-5)
+
+
+def _allgather_tree():
+  # 8 column-parallel and 9 row-parallel matrices: at least the axis size on
+  # every mesh, and 9 a multiple of none of 2, 4, 8 (the stack is padded)
+  keys = iter(jax.random.split(jax.random.key(7), 17))
+  params = {f"col{i}": jax.random.normal(next(keys), (32, 64)) for i in range(8)}
+  params |= {f"row{i}": jax.random.normal(next(keys), (64, 32)) for i in range(9)}
+  specs = {k: P(None, "model") if k.startswith("col") else P("model", None)
+           for k in params}
+  return params, specs
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_allgather_all_to_all_path_equals_the_unsharded_update(mesh_shape):
+  mesh = _mesh(mesh_shape)
+  params, specs = _allgather_tree()
+  tx = om.scale_by_muon(sharding=om.TensorParallel(mesh, mode="allgather"))
+  updates, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
+  reference = om.scale_by_muon()
+  expected, _ = reference.update(params, reference.init(params))
+  chex.assert_trees_all_close(updates, expected, atol=1e-5)
+  _, counts = _collectives(om.orthogonalize(sharding=om.TensorParallel(
+      mesh, mode="allgather")), params, specs, mesh)
+  assert _only(counts, all_to_all=4)  # two per group: no fallback
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "duplicated", "distributed",
+                                  "allgather"])
+def test_sharded_batch_axes_stay_local_and_equal_the_unsharded_update(mode):
+  mesh = _mesh((2, 4))
+  params = {"layers": jax.random.normal(jax.random.key(3), (8, 32, 64)),
+            "experts": jax.random.normal(jax.random.key(4), (4, 2, 48, 16))}
+  specs = {"layers": P("model", None, None), "experts": P("model", "data")}
+  tx = om.scale_by_muon(sharding=om.TensorParallel(mesh, mode=mode))
+  updates, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
+  reference = om.scale_by_muon()
+  expected, _ = reference.update(params, reference.init(params))
+  chex.assert_trees_all_close(updates, expected, atol=1e-5)
 
 
 def _collectives(tx, params, specs, mesh):
@@ -173,12 +215,13 @@ def test_updates_and_state_keep_the_param_sharding(axis_type):
   with jax.set_mesh(mesh):
     state = jax.jit(tx.init)(sharded)
     updates, state = jax.jit(tx.update)(sharded, state, sharded)
-  want = jax.tree.leaves(jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
-  for got, expected in zip(jax.tree.leaves(updates), want):
-    assert got.sharding.is_equivalent_to(expected, got.ndim)
-  momentum = state.inner_states["muon"].inner_state[0][0].mu
-  for got, expected in zip(jax.tree.leaves(momentum), want):
-    assert got.sharding.is_equivalent_to(expected, got.ndim)
+  want = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  kept = lambda tree: jax.tree.leaves(jax.tree.map(
+      lambda got, expected: got.sharding.is_equivalent_to(expected, got.ndim),
+      tree, want))
+  assert kept(updates) == [True] * len(jax.tree.leaves(params))
+  assert kept(state.inner_states["muon"].inner_state[0][0].mu) == [True] * len(
+      jax.tree.leaves(params))
 
 
 def test_zero1_momentum_sharding_splits_state_over_data():
@@ -198,10 +241,18 @@ def test_zero1_momentum_sharding_splits_state_over_data():
   assert per_device(tp_only) * 4 == sum(x.nbytes for x in jax.tree.leaves(
       tp_only))
   assert per_device(state[0].mu) * 2 == per_device(tp_only)
-  updates, new_state = jax.jit(tx.update)(sharded, state)
-  expected, _ = jax.jit(tx.update)(sharded, tx.init(sharded))
-  for got, want in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
-    np.testing.assert_allclose(got, want, atol=1e-6)
+  # two steps against the unsharded optimizer: the second reads the momentum
+  reference = om.scale_by_muon(split_qkv=SPLIT)
+  reference_state = reference.init(params)
+  update = jax.jit(tx.update)
+  for step in range(2):
+    grads = jax.tree.map(lambda x: x * (step + 1.0) + step, params)
+    updates, state = update(_put(grads, specs, mesh), state)
+    expected, reference_state = reference.update(grads, reference_state)
+    chex.assert_trees_all_close(updates, expected, atol=1e-5)
+    # the momentum keeps its data-axis split
+    got = jax.tree.map(lambda x: x.sharding.spec, state[0].mu)
+    assert got == jax.tree.map(lambda s: s.spec, zero1), step
 
 
 def test_distribute_over_data_splits_the_newton_schulz_work():
