@@ -5,11 +5,10 @@ the four single-device benchmarks on the CPU, as it will on a GPU machine."""
 import json
 import math
 import os
-import pathlib
 import subprocess
 import sys
+from conftest import ROOT
 
-ROOT = pathlib.Path(__file__).parents[1]
 RATIOS = {
     "ns_roofline": ["ratio", "time_ratio"],
     "update_vs_optax": ["ours_over_optax", "ours_gram_over_optax",

@@ -1,9 +1,12 @@
 """MuonConfig: verl / Megatron-Core names, defaults, parsing and validation."""
 
+import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import optax_muon as om
 
@@ -117,3 +120,107 @@ def test_muon_build_needs_head_counts_for_fused_qkv():
   assert updates["attn"]["qkv"]["kernel"].shape == (16, 48)
   om.MuonConfig(optimizer="muon", muon_split_qkv=False).build(1e-3,
                                                             params=params)
+
+
+# build() forwards every field: each case sets one field away from its default
+# and compares build() with the optax chain written out by hand.
+SPLIT = om.SplitQKV(num_heads=2, num_kv_heads=2, head_dim=8)
+FORWARD_PARAMS = {"attn": {"qkv": {"kernel": jnp.ones((16, 48))}},
+                  "mlp": {"kernel": jnp.ones((16, 32))},
+                  "embed": {"embedding": jnp.ones((20, 16))},
+                  "ln": {"scale": jnp.ones((16,))}}
+FORWARD_CASES = {
+    "defaults": ({}, {}),
+    "muon_momentum": ({"muon_momentum": 0.8}, {"beta": 0.8}),
+    "muon_nesterov": ({"muon_nesterov": True}, {"nesterov": True}),
+    "muon_split_qkv": ({"muon_split_qkv": False}, {"split_qkv": None}),
+    "muon_scale_mode": ({"muon_scale_mode": "unit_rms_norm"},
+                        {"scale_mode": "unit_rms_norm"}),
+    "muon_coefficient_type": ({"muon_coefficient_type": "cubic5"},
+                              {"coefficients": "cubic5"}),
+    "muon_num_ns_steps": ({"muon_num_ns_steps": 2}, {"steps": 2}),
+    "muon_fp32_matmul_prec": ({"muon_fp32_matmul_prec": "highest"},
+                              {"precision": "highest"}),
+    "muon_extra_scale_factor": ({"muon_extra_scale_factor": 0.3},
+                                {"extra_scale_factor": 0.3}),
+    "muon_scalar_optimizer": ({"muon_scalar_optimizer": "lion"},
+                              {"scalar_optimizer": "lion"}),
+    "muon_match_adamw_update_rms": ({"muon_match_adamw_update_rms": True},
+                                    {"match_adamw_update_rms": True}),
+    "muon_momentum_style": ({"muon_momentum_style": "sgd"},
+                            {"momentum_style": "sgd"}),
+    "betas": ({"betas": (0.8, 0.99)}, {"adam_b1": 0.8, "adam_b2": 0.99}),
+    "eps": ({"eps": 1e-3}, {"adam_eps": 1e-3}),
+    "weight_decay": ({"weight_decay": 0.5},
+                     {"weight_decay": 0.5, "adam_weight_decay": 0.5}),
+    "clip_grad": ({"clip_grad": 0.5}, {"clip": 0.5}),
+}
+# Muon and AdamW are nearly scale-invariant: a clip shows through eps = 1
+CONTEXT = {"clip_grad": ({"eps": 1.0}, {"adam_eps": 1.0})}
+
+
+def _hand_written(lr, clip=1.0, **overrides):
+  """verl / Megatron's defaults (DESIGN §7) spelled out as om.muon arguments."""
+  decay = lambda p: jax.tree.map(lambda x: jnp.ndim(x) >= 2, p)
+  args = dict(beta=0.95, nesterov=False, momentum_style="ema",
+              coefficients="quintic", steps=5, precision="medium",
+              scale_mode="spectral", extra_scale_factor=None,
+              match_adamw_update_rms=False, split_qkv=SPLIT, weight_decay=0.01,
+              weight_decay_mask=decay, scalar_optimizer="adam", adam_b1=0.9,
+              adam_b2=0.999, adam_eps=1e-8, adam_weight_decay=0.01,
+              adam_weight_decay_mask=decay)
+  return optax.chain(optax.clip_by_global_norm(clip),
+                     om.muon(lr, **(args | overrides)))
+
+
+def _three_steps(tx, params):
+  p, state = params, tx.init(params)
+  for step in range(3):  # gradients large enough for the clip to act
+    grads = jax.tree.map(lambda x: 10.0 * jnp.cos(x * (step + 1)), params)
+    updates, state = tx.update(grads, state, p)
+    p = optax.apply_updates(p, updates)
+  return p
+
+
+@pytest.mark.parametrize("case", sorted(FORWARD_CASES))
+def test_build_forwards_every_field(case):
+  fields, overrides = FORWARD_CASES[case]
+  context_fields, context = CONTEXT.get(case, ({}, {}))
+  built = om.MuonConfig(optimizer="muon", lr=1e-2, **fields,
+                        **context_fields).build(split_qkv=SPLIT)
+  keys = iter(jax.random.split(jax.random.key(0), 12))
+  params = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape),
+                        FORWARD_PARAMS)
+  got = _three_steps(built, params)
+  chex.assert_trees_all_close(
+      got, _three_steps(_hand_written(1e-2, **overrides, **context), params),
+      atol=1e-6, rtol=1e-6)
+  if case != "defaults":  # the field changes the result: the check has teeth
+    without = _three_steps(_hand_written(1e-2, **context), params)
+    differs = jax.tree.leaves(jax.tree.map(
+        lambda a, b: not np.allclose(a, b, atol=1e-6, rtol=1e-6), got, without))
+    assert any(differs), case
+
+
+@pytest.mark.parametrize("fields, collective", [
+    ({"muon_tp_mode": "duplicated"}, "all-gather"),
+    ({"use_layer_wise_distributed_optimizer": True}, "all-gather")])
+def test_build_forwards_the_mesh_fields(fields, collective):
+  # on a (2, 4) mesh: kernels split over model need duplicated's gather, and
+  # replicated ones are shared out over data by the layer-wise optimizer
+  mesh = jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  column = P(None, "model") if "muon_tp_mode" in fields else P()
+  specs = {"a": column, "b": column}
+  params = {name: jax.device_put(jnp.ones((32, 64)), NamedSharding(mesh, spec))
+            for name, spec in specs.items()}
+  counts = {}
+  for config in (om.MuonConfig(optimizer="muon", **fields),
+                 om.MuonConfig(optimizer="muon")):
+    tx = config.build(1e-2, mesh=mesh, specs=specs)
+    with jax.set_mesh(mesh):
+      hlo = jax.jit(lambda p: tx.update(p, tx.init(p), p)[0]).lower(
+          params).compile().as_text()
+    counts[config == om.MuonConfig(optimizer="muon")] = hlo.count(
+        f" {collective}(") + hlo.count(f" {collective}-start(")
+  assert counts[False] > 0 and counts[True] == 0, counts

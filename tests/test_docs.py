@@ -2,15 +2,14 @@
 covers every argument of optax.contrib.muon and every MuonConfig field."""
 
 import inspect
-import pathlib
 import re
 
 import optax
 import pytest
 
 import optax_muon as om
+from conftest import ROOT
 
-ROOT = pathlib.Path(__file__).parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 

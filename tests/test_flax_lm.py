@@ -4,7 +4,6 @@ import dataclasses
 import json
 import logging
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -17,8 +16,8 @@ from examples.flax_lm import compare as compare_lib
 from examples.flax_lm import config as config_lib
 from examples.flax_lm import train as train_lib
 from examples.flax_lm.data import ByteCorpus
+from conftest import ROOT
 
-ROOT = pathlib.Path(__file__).parents[1]
 SMALL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2",
          "model.block_size=32", "train.batch_size=4", "train.steps=12",
          "train.warmup_steps=2", "train.eval_every=4", "train.eval_batches=1",

@@ -2,13 +2,12 @@
 
 import json
 import os
-import pathlib
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from conftest import ROOT
 
-ROOT = pathlib.Path(__file__).parents[1]
 NOTEBOOK = ROOT / "notebooks" / "muon_quickstart.ipynb"
 
 

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import optax_muon as om
@@ -98,6 +99,38 @@ class CompositionTest(chex.TestCase):
     updates, state = self.variant(tx.update)(bad, state, params)
     chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
     assert int(state.notfinite_count) == 1
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_like_for_like_equals_optax_contrib_muon(weight_decay):
+  # optax's defaults written our way (docs/guide.md): the "simple" triple,
+  # shape_scaling (its consistent_rms=None), 2-D leaves to Muon, the rest to
+  # Adam; Nesterov off, where its bias correction cannot change the update
+  # (Newton–Schulz is scale-invariant) and its Adam is AdamW.
+  keys = jax.random.split(jax.random.key(0), 3)
+  params = {"w": jax.random.normal(keys[0], (64, 256)),
+            "v": jax.random.normal(keys[1], (256, 64)),
+            "b": jax.random.normal(keys[2], (64,))}
+  theirs = optax.contrib.muon(0.02, nesterov=False, weight_decay=weight_decay,
+                              adam_weight_decay=weight_decay)
+  ours = om.muon(0.02, nesterov=False, coefficients="simple",
+                 scale_mode="shape_scaling", precision="high",
+                 weight_decay=weight_decay, adam_weight_decay=weight_decay,
+                 labels=lambda p: jax.tree.map(
+                     lambda x: "muon" if x.ndim == 2 else "adam", p))
+  p_theirs, p_ours = params, params
+  s_theirs, s_ours = theirs.init(params), ours.init(params)
+  for t in range(5):
+    grads = jax.tree.map(
+        lambda x: jax.random.normal(jax.random.key(10 + t), x.shape), params)
+    u_theirs, s_theirs = theirs.update(grads, s_theirs, p_theirs)
+    u_ours, s_ours = ours.update(grads, s_ours, p_ours)
+    relative = jax.tree.map(
+        lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)),
+        u_ours, u_theirs)
+    assert max(jax.tree.leaves(relative)) <= 1e-5, (t, relative)
+    p_theirs = optax.apply_updates(p_theirs, u_theirs)
+    p_ours = optax.apply_updates(p_ours, u_ours)
 
 
 class _Net(nnx.Module):

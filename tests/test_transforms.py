@@ -8,20 +8,18 @@ import optax
 import pytest
 
 import optax_muon as om
+from conftest import gaussian
 from optax_muon import layout
 
 MDN = om.MuonDimensionNumbers
 
-
-def _normal(seed, shape, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(seed), shape, dtype)
 
 
 class MomentumTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_styles_and_nesterov_follow_the_formulas(self):
-    beta, grads = 0.9, [_normal(i, (3, 4)) for i in range(3)]
+    beta, grads = 0.9, [gaussian((3, 4), i) for i in range(3)]
     for style, nesterov in [("ema", True), ("ema", False), ("sgd", True),
                             ("sgd", False)]:
       tx = om.momentum(beta, nesterov=nesterov, style=style)
@@ -36,7 +34,7 @@ class MomentumTest(chex.TestCase):
         np.testing.assert_allclose(state.mu, m, rtol=1e-6, atol=1e-6)
 
   def test_bf16_params_with_fp32_momentum(self):
-    params = _normal(0, (8, 16), jnp.bfloat16)
+    params = gaussian((8, 16), 0, jnp.bfloat16)
     tx = om.momentum(0.95, dtype="float32")
     state = tx.init(params)
     assert state.mu.dtype == jnp.float32
@@ -55,10 +53,9 @@ class OrthogonalizeTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_grouped_equals_one_by_one(self):
-    tree = {"a": _normal(0, (32, 64)), "b": _normal(1, (64, 32)),
-            "c": _normal(2, (32, 64)), "d": _normal(3, (16, 24)),
-            "stacked": _normal(4, (3, 32, 64)), "bf16": _normal(5, (24, 16),
-                                                             jnp.bfloat16)}
+    tree = {"a": gaussian((32, 64), 0), "b": gaussian((64, 32), 1),
+            "c": gaussian((32, 64), 2), "d": gaussian((16, 24), 3),
+            "stacked": gaussian((3, 32, 64), 4), "bf16": gaussian((24, 16), 5, jnp.bfloat16)}
     tx = om.orthogonalize()
     out, _ = self.variant(tx.update)(tree, tx.init(tree))
     for name, leaf in tree.items():
@@ -67,7 +64,7 @@ class OrthogonalizeTest(chex.TestCase):
       chex.assert_trees_all_close(out[name], expected, atol=1e-6)
 
   def test_one_batched_newton_schulz_per_shape(self):
-    tree = {f"w{i}": _normal(i, (32, 64) if i % 2 else (64, 32))
+    tree = {f"w{i}": gaussian((32, 64) if i % 2 else (64, 32), i)
             for i in range(6)}
     tx = om.orthogonalize(steps=5)
     jaxpr = jax.make_jaxpr(lambda t: tx.update(t, optax.EmptyState()))(tree)
@@ -101,7 +98,7 @@ class OrthogonalizeTest(chex.TestCase):
     assert out["b"].shape == (3,)
 
   def test_dimension_numbers_select_fan_in_and_fan_out(self):
-    x = _normal(0, (6, 3, 20))  # fan-in 6 * 3 merged, fan-out 20
+    x = gaussian((6, 3, 20), 0)  # fan-in 6 * 3 merged, fan-out 20
     dims = MDN(reduction_axis=(0, 1), output_axis=2)
     tx = om.orthogonalize(dimension_numbers=dims)
     out, _ = tx.update({"w": x}, tx.init({"w": x}))
@@ -109,7 +106,7 @@ class OrthogonalizeTest(chex.TestCase):
     np.testing.assert_allclose(out["w"], expected, atol=1e-6)
 
   def test_batch_axis_between_matrix_axes(self):
-    x = _normal(0, (8, 5, 12))  # (in, experts, out)
+    x = gaussian((8, 5, 12), 0)  # (in, experts, out)
     tx = om.orthogonalize(dimension_numbers={"w": MDN(0, 2)})
     out, _ = tx.update({"w": x}, tx.init({"w": x}))
     for e in range(5):
@@ -117,7 +114,7 @@ class OrthogonalizeTest(chex.TestCase):
                                  atol=1e-6)
 
   def test_dimension_numbers_callable(self):
-    tree = {"w": _normal(0, (4, 6, 10))}
+    tree = {"w": gaussian((4, 6, 10), 0)}
     tx = om.orthogonalize(
         dimension_numbers=lambda p: jax.tree.map(lambda _: MDN((0, 1), 2), p))
     out, _ = tx.update(tree, tx.init(tree))
@@ -133,7 +130,7 @@ def test_split_qkv_orthogonalizes_and_scales_q_k_v_separately(split_layout,
   heads, kv_heads, head_dim, d = 4, 2, 8, 48
   split = om.SplitQKV(heads, kv_heads, head_dim, layout=split_layout)
   width = (heads + 2 * kv_heads) * head_dim
-  x = _normal(0, (2, d, width) if stacked else (d, width))
+  x = gaussian((2, d, width) if stacked else (d, width), 0)
   xs = x if stacked else x[None]
   per_group = heads // kv_heads * head_dim
   if split_layout == "grouped":
@@ -146,7 +143,7 @@ def test_split_qkv_orthogonalizes_and_scales_q_k_v_separately(split_layout,
                         axis=-1)
   chain = optax.chain(om.orthogonalize(split_qkv=split),
                       om.scale_by_shape("spectral", split_qkv=split))
-  tree = {"attn": {"qkv": {"kernel": x}}, "mlp": {"kernel": _normal(1, (d, width))}}
+  tree = {"attn": {"qkv": {"kernel": x}}, "mlp": {"kernel": gaussian((d, width), 1)}}
   out, _ = chain.update(tree, chain.init(tree))
   parts = [om.newton_schulz(p) * np.sqrt(max(p.shape[-2:])) for p in (q, k, v)]
   if split_layout == "grouped":
@@ -180,7 +177,7 @@ def test_scale_by_shape_scales_each_stacked_matrix_by_its_shape(mode):
 
 
 def test_match_adamw_update_rms_uses_beta1_factor():
-  x = {"w": _normal(0, (64, 64))}
+  x = {"w": gaussian((64, 64), 0)}
   plain = om.scale_by_muon(extra_scale_factor=1.0)
   matched = om.scale_by_muon(match_adamw_update_rms=True, adamw_beta1=0.9)
   a, _ = plain.update(x, plain.init(x))
@@ -203,7 +200,7 @@ def test_match_adamw_update_rms_is_logged_once(caplog):
 
 
 def test_weight_decay_is_decoupled_and_multiplied_by_lr():
-  params = {"w": _normal(0, (8, 8))}
+  params = {"w": gaussian((8, 8), 0)}
   grads = {"w": jnp.zeros((8, 8))}  # zero grad: NS(0) = 0, only decay acts
   tx = om.muon(0.1, weight_decay=0.5)
   updates, _ = tx.update(grads, tx.init(params), params)
@@ -225,8 +222,8 @@ def test_weight_decay_masks_by_path_and_adam_settings_are_independent():
 
 
 def test_scalar_optimizer_lion_and_adam_get_the_non_muon_leaves():
-  params = {"kernel": _normal(0, (8, 8)), "bias": jnp.ones((8,))}
-  grads = {"kernel": _normal(1, (8, 8)), "bias": jnp.linspace(-1, 1, 8)}
+  params = {"kernel": gaussian((8, 8), 0), "bias": jnp.ones((8,))}
+  grads = {"kernel": gaussian((8, 8), 1), "bias": jnp.linspace(-1, 1, 8)}
   for name, reference in [("adam", optax.adamw(0.01, weight_decay=0.0)),
                           ("lion", optax.lion(0.01, b2=0.999, weight_decay=0.0))]:
     tx = om.muon(0.02, scalar_optimizer=name, adam_learning_rate=0.01,
@@ -242,12 +239,37 @@ def test_scalar_optimizer_lion_and_adam_get_the_non_muon_leaves():
 
 
 def test_explicit_labels_override_the_default():
-  params = {"embed": _normal(0, (16, 8)), "kernel": _normal(1, (8, 8))}
-  grads = jax.tree.map(jnp.ones_like, params)
+  params = {"embed": gaussian((16, 8), 0), "kernel": gaussian((8, 8), 1)}
+  grads = {"embed": gaussian((16, 8), 2), "kernel": gaussian((8, 8), 3)}
   tx = om.muon(0.1, labels={"embed": "muon", "kernel": "adam"})
   updates, _ = tx.update(grads, tx.init(params), params)
-  # all-ones gradient has rank 1: Muon's update has a single singular value
-  sigma = np.linalg.svd(np.asarray(updates["embed"]), compute_uv=False)
-  assert sigma[1] < 1e-3 * sigma[0]
-  # AdamW's first step is -lr * sign(g)
-  np.testing.assert_allclose(updates["kernel"], -0.1, rtol=1e-4)
+  muon = om.scale_by_muon()
+  expected, _ = muon.update({"embed": grads["embed"]},
+                            muon.init({"embed": params["embed"]}))
+  np.testing.assert_allclose(updates["embed"], -0.1 * expected["embed"],
+                             rtol=1e-5, atol=1e-7)
+  adamw = optax.adamw(0.1, weight_decay=0.0)
+  expected, _ = adamw.update(grads["kernel"], adamw.init(params["kernel"]),
+                             params["kernel"])
+  np.testing.assert_allclose(updates["kernel"], expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("setting", [{"mu_dtype": jnp.bfloat16},
+                                     {"precision": "medium"},
+                                     {"method": "gram"}])
+def test_muon_forwards_its_settings_to_scale_by_muon(setting):
+  params = {"w": gaussian((16, 64), 0)}
+  grads = [{"w": gaussian((16, 64), seed)} for seed in (1, 2)]
+  tx, reference = om.muon(0.1, **setting), om.scale_by_muon(**setting)
+  state, reference_state = tx.init(params), reference.init(params)
+  default = om.scale_by_muon()
+  default_state = default.init(params)
+  for g in grads:
+    updates, state = tx.update(g, state, params)
+    expected, reference_state = reference.update(g, reference_state)
+    plain, default_state = default.update(g, default_state)
+  np.testing.assert_allclose(updates["w"], -0.1 * expected["w"], rtol=1e-6,
+                             atol=1e-7)
+  assert np.abs(expected["w"] - plain["w"]).max() > 1e-6  # it matters
+  momentum = state.inner_states["muon"].inner_state[0][0].mu["w"]
+  assert momentum.dtype == setting.get("mu_dtype", jnp.float32)
