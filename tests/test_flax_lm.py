@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -93,6 +94,50 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_previous(tmp_path,
   assert meta["step"] == 1
   np.testing.assert_array_equal(restored["w"], state["w"])
   assert any("checkpoint 2" in r.getMessage() for r in caplog.records)
+
+
+def test_a_readable_checkpoint_whose_values_changed_falls_back(tmp_path,
+                                                               caplog):
+  saver = checkpoint_lib.Checkpointer(tmp_path / "ckpt", keep=3)
+  state = {"w": np.arange(6, dtype=np.float32), "n": np.int32(3)}
+  newer = {"w": state["w"] + 1, "n": np.int32(4)}
+  saver.save(1, state, {"data_position": 1})
+  saver.save(2, newer, {"data_position": 2})
+  # step 2's arrays replaced by a valid orbax save with one value flipped:
+  # orbax reads it; only the SHA-256 recorded in its meta can tell
+  flipped = {"w": newer["w"].copy(), "n": newer["n"]}
+  flipped["w"][2] = -flipped["w"][2]
+  checkpoint_lib.Checkpointer(tmp_path / "other").save(2, flipped, {})
+  shutil.rmtree(tmp_path / "ckpt" / "2" / "arrays")
+  shutil.copytree(tmp_path / "other" / "2" / "arrays",
+                  tmp_path / "ckpt" / "2" / "arrays")
+  caplog.set_level(logging.WARNING, logger="flax_lm")
+  restored, meta = checkpoint_lib.Checkpointer(tmp_path / "ckpt").restore_latest(
+      state)
+  assert meta["step"] == 1
+  np.testing.assert_array_equal(restored["w"], state["w"])
+  assert any("SHA-256" in r.getMessage() for r in caplog.records)
+
+
+def _cli_error(capsys, argv):
+  with pytest.raises(SystemExit) as exited:
+    train_lib.main(argv)
+  err = capsys.readouterr().err
+  assert exited.value.code == 2
+  assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+  return err
+
+
+def test_cli_errors_are_one_line_and_a_nonzero_exit(tmp_path, capsys):
+  out = [f"train.out_dir={tmp_path / 'run'}"] + SMALL
+  assert "does not exist" in _cli_error(capsys, out + ["--data", "/nonexistent"])
+  assert "unknown field" in _cli_error(capsys, out + ["model.n_layers=3"])
+  (tmp_path / "run").mkdir(exist_ok=True)
+  (tmp_path / "run" / "checkpoints").write_text("not a folder")
+  assert "checkpoints" in _cli_error(capsys, out)
+  (tmp_path / "run" / "checkpoints").unlink()
+  (tmp_path / "run" / "checkpoints" / "4").mkdir(parents=True)  # unreadable
+  assert "no checkpoint" in _cli_error(capsys, out + ["--resume"])
 
 
 def test_data_errors_are_clear(tmp_path):

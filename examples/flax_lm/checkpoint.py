@@ -31,6 +31,8 @@ class Checkpointer:
 
   def __init__(self, directory, keep: int = 3):
     self.directory = pathlib.Path(directory).absolute()
+    # fail now, not at the first save after a run's worth of steps
+    self.directory.mkdir(parents=True, exist_ok=True)
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
