@@ -241,14 +241,18 @@ def test_zero1_momentum_sharding_splits_state_over_data():
   assert per_device(tp_only) * 4 == sum(x.nbytes for x in jax.tree.leaves(
       tp_only))
   assert per_device(state[0].mu) * 2 == per_device(tp_only)
-  # two steps against the unsharded optimizer: the second reads the momentum
-  reference = om.scale_by_muon(split_qkv=SPLIT)
-  reference_state = reference.init(params)
+  # two steps against the formulas, unsharded: the second reads the momentum
+  # (m ← βm + (1−β)g, Nesterov u = (1−β)g + βm), then NS and the shape scale
+  direction = optax.chain(om.orthogonalize(split_qkv=SPLIT),
+                          om.scale_by_shape(split_qkv=SPLIT))
+  momentum = jax.tree.map(jnp.zeros_like, params)
   update = jax.jit(tx.update)
   for step in range(2):
-    grads = jax.tree.map(lambda x: x * (step + 1.0) + step, params)
+    grads = jax.tree.map(lambda x: jnp.cos(x * (step + 1.0)), params)
     updates, state = update(_put(grads, specs, mesh), state)
-    expected, reference_state = reference.update(grads, reference_state)
+    momentum = jax.tree.map(lambda m, g: 0.95 * m + 0.05 * g, momentum, grads)
+    expected, _ = direction.update(jax.tree.map(
+        lambda m, g: 0.05 * g + 0.95 * m, momentum, grads), direction.init(params))
     chex.assert_trees_all_close(updates, expected, atol=1e-5)
     # the momentum keeps its data-axis split
     got = jax.tree.map(lambda x: x.sharding.spec, state[0].mu)
