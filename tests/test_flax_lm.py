@@ -79,44 +79,38 @@ def test_a_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
                               "params_sha256"}
 
 
-def test_corrupted_latest_checkpoint_falls_back_to_the_previous(tmp_path,
-                                                                caplog):
-  saver = checkpoint_lib.Checkpointer(tmp_path / "ckpt", keep=3)
-  state = {"w": np.arange(6, dtype=np.float32), "n": np.int32(3)}
-  saver.save(1, state, {"data_position": 1})
-  saver.save(2, {"w": state["w"] + 1, "n": np.int32(4)}, {"data_position": 2})
-  for file in (tmp_path / "ckpt" / "2").rglob("*"):
+def _tear(root, newer):
+  for file in (root / "ckpt" / "2").rglob("*"):
     if file.is_file() and "meta" not in file.parts:
-      file.write_bytes(b"\0" * 7)  # a torn write
-  caplog.set_level(logging.WARNING, logger="flax_lm")
-  restored, meta = checkpoint_lib.Checkpointer(tmp_path / "ckpt").restore_latest(
-      state)
-  assert meta["step"] == 1
-  np.testing.assert_array_equal(restored["w"], state["w"])
-  assert any("checkpoint 2" in r.getMessage() for r in caplog.records)
+      file.write_bytes(b"\0" * 7)  # a torn write: orbax cannot read it
 
 
-def test_a_readable_checkpoint_whose_values_changed_falls_back(tmp_path,
-                                                               caplog):
+def _flip_one_value(root, newer):
+  # step 2's arrays replaced by a valid orbax save with one value flipped:
+  # orbax reads it; only the SHA-256 recorded in its meta can tell
+  flipped = {"w": newer["w"].copy(), "n": newer["n"]}
+  flipped["w"][2] = -flipped["w"][2]
+  checkpoint_lib.Checkpointer(root / "other").save(2, flipped, {})
+  shutil.rmtree(root / "ckpt" / "2" / "arrays")
+  shutil.copytree(root / "other" / "2" / "arrays", root / "ckpt" / "2" / "arrays")
+
+
+@pytest.mark.parametrize("damage, reason", [(_tear, "checkpoint 2"),
+                                            (_flip_one_value, "SHA-256")])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(
+    tmp_path, caplog, damage, reason):
   saver = checkpoint_lib.Checkpointer(tmp_path / "ckpt", keep=3)
   state = {"w": np.arange(6, dtype=np.float32), "n": np.int32(3)}
   newer = {"w": state["w"] + 1, "n": np.int32(4)}
   saver.save(1, state, {"data_position": 1})
   saver.save(2, newer, {"data_position": 2})
-  # step 2's arrays replaced by a valid orbax save with one value flipped:
-  # orbax reads it; only the SHA-256 recorded in its meta can tell
-  flipped = {"w": newer["w"].copy(), "n": newer["n"]}
-  flipped["w"][2] = -flipped["w"][2]
-  checkpoint_lib.Checkpointer(tmp_path / "other").save(2, flipped, {})
-  shutil.rmtree(tmp_path / "ckpt" / "2" / "arrays")
-  shutil.copytree(tmp_path / "other" / "2" / "arrays",
-                  tmp_path / "ckpt" / "2" / "arrays")
+  damage(tmp_path, newer)
   caplog.set_level(logging.WARNING, logger="flax_lm")
   restored, meta = checkpoint_lib.Checkpointer(tmp_path / "ckpt").restore_latest(
       state)
   assert meta["step"] == 1
   np.testing.assert_array_equal(restored["w"], state["w"])
-  assert any("SHA-256" in r.getMessage() for r in caplog.records)
+  assert any(reason in r.getMessage() for r in caplog.records)
 
 
 def _cli_error(capsys, argv):
