@@ -15,6 +15,8 @@ from optax_muon.layout import SplitQKV
 from optax_muon.momentum import momentum
 from optax_muon.newton_schulz import newton_schulz
 from optax_muon.orthogonalize import orthogonalize
+from optax_muon.qk_clip import clip_qk
+from optax_muon.qk_clip import qk_clip
 from optax_muon.scaling import adamw_rms_match_factor
 from optax_muon.scaling import scale_by_shape
 from optax_muon.scaling import scale_factor
@@ -30,6 +32,7 @@ __all__ = (
     "SplitQKV",
     "TensorParallel",
     "adamw_rms_match_factor",
+    "clip_qk",
     "coefficient_schedule",
     "default_labels",
     "momentum",
@@ -37,6 +40,7 @@ __all__ = (
     "newton_schulz",
     "orthogonality_error",
     "orthogonalize",
+    "qk_clip",
     "scale_by_muon",
     "scale_by_shape",
     "scale_factor",
