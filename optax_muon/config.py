@@ -25,6 +25,7 @@ from optax_muon import coefficients
 from optax_muon import layout
 from optax_muon import momentum
 from optax_muon import newton_schulz
+from optax_muon import qk_clip as qk_clip_lib
 from optax_muon import scaling
 from optax_muon import sharding as sharding_lib
 
@@ -62,6 +63,11 @@ class MuonConfig:
     muon_scalar_optimizer: ``"adam"`` or ``"lion"`` for the non-matrix leaves.
     muon_match_adamw_update_rms: derive the extra factor from ``betas[0]``.
     muon_momentum_style: ``"ema"`` or ``"sgd"``.
+    qk_clip: QK-clip (MuonClip) after each step; ``build`` then needs
+      ``attention=`` (see ``optax_muon.qk_clip``) and ``update`` the step's
+      ``max_logits=``.
+    qk_clip_threshold: its ``τ`` (> 0).
+    qk_clip_alpha: the share of the rescale given to the queries, [0, 1].
   """
   optimizer: str = "adam"
   lr: float = 1e-6
@@ -82,6 +88,9 @@ class MuonConfig:
   muon_scalar_optimizer: str = "adam"
   muon_match_adamw_update_rms: bool = False
   muon_momentum_style: str = "ema"
+  qk_clip: bool = False
+  qk_clip_threshold: float = 100.0
+  qk_clip_alpha: float = 0.5
 
   def __post_init__(self):
     hints = typing.get_type_hints(type(self))
@@ -107,6 +116,10 @@ class MuonConfig:
       _checks.check_range(f"betas[{i}]", beta, 0.0, 1.0)
     _checks.check_range("muon_momentum", self.muon_momentum, 0.0, 1.0)
     _checks.check_int("muon_num_ns_steps", self.muon_num_ns_steps, minimum=1)
+    _checks.check_positive("qk_clip_threshold", self.qk_clip_threshold)
+    if not 0.0 <= self.qk_clip_alpha <= 1.0:
+      raise ValueError(f"qk_clip_alpha must be in [0, 1], got "
+                       f"{self.qk_clip_alpha!r}")
     if self.muon_match_adamw_update_rms and (
         self.muon_extra_scale_factor is not None):
       raise ValueError(
@@ -158,8 +171,9 @@ class MuonConfig:
 
   def build(self, learning_rate=None, *, params=None, mesh=None,
             split_qkv: layout.SplitQKV | None = None, labels=None,
-            specs=None) -> optax.GradientTransformation:
-    """The optimizer: global-norm clip, then AdamW or Muon + AdamW.
+            specs=None, attention=None) -> optax.GradientTransformation:
+    """The optimizer: global-norm clip, then AdamW or Muon + AdamW, then
+    QK-clip when ``qk_clip``.
 
     Args:
       learning_rate: a float or optax schedule; ``None`` uses ``lr``.
@@ -173,6 +187,8 @@ class MuonConfig:
       labels: as in ``muon``; ``None`` uses ``default_labels``.
       specs: the params' ``PartitionSpec``s for ``TensorParallel`` (needed on
         meshes with Auto axes), e.g. ``nnx.get_partition_spec(state)``.
+      attention: where the attention kernels are, for ``qk_clip`` (the
+        ``attention`` argument of ``optax_muon.qk_clip``); unused without.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -182,10 +198,17 @@ class MuonConfig:
     decay_mask = lambda p: jax.tree.map(lambda x: jax.numpy.ndim(x) >= 2, p)
     clip = ([optax.clip_by_global_norm(self.clip_grad)] if self.clip_grad > 0
             else [])
+    if self.qk_clip and attention is None:
+      raise ValueError("qk_clip=True needs build(..., attention={layer: "
+                       "{'q': path, 'k': path, ...} or {'qkv': path, "
+                       "'split_qkv': SplitQKV(...)}}) to find the kernels")
+    clip_logits = ([qk_clip_lib.qk_clip(self.qk_clip_threshold,
+                                        self.qk_clip_alpha, attention=attention)]
+                   if self.qk_clip else [])
     if self.optimizer == "adam":
       return optax.chain(*clip, optax.adamw(
           lr, b1=b1, b2=b2, eps=self.eps, weight_decay=self.weight_decay,
-          mask=decay_mask))
+          mask=decay_mask), *clip_logits)
     sharding = None
     if mesh is not None:
       axes = list(mesh.axis_names)
@@ -223,7 +246,7 @@ class MuonConfig:
         weight_decay_mask=decay_mask, labels=labels,
         scalar_optimizer=self.muon_scalar_optimizer, adam_b1=b1, adam_b2=b2,
         adam_eps=self.eps, adam_weight_decay=self.weight_decay,
-        adam_weight_decay_mask=decay_mask))
+        adam_weight_decay_mask=decay_mask), *clip_logits)
     if not check_split:
       return tx
 

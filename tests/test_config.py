@@ -24,7 +24,8 @@ DEFAULTS = {
     "muon_num_ns_steps": 5, "muon_tp_mode": None,
     "muon_fp32_matmul_prec": "medium", "muon_extra_scale_factor": None,
     "muon_scalar_optimizer": "adam", "muon_match_adamw_update_rms": False,
-    "muon_momentum_style": "ema",
+    "muon_momentum_style": "ema", "qk_clip": False, "qk_clip_threshold": 100.0,
+    "qk_clip_alpha": 0.5,
 }
 
 
@@ -71,6 +72,9 @@ BAD_OVERRIDES = [
     ("muon_learning_rate=0.1", "muon_learning_rate"),
     ("optim.muon_mometum=0.9", "muon_mometum"),
     ("muon_momentum", "key=value"),
+    ("qk_clip_threshold=0", "qk_clip_threshold"),
+    ("qk_clip_alpha=1.5", "qk_clip_alpha"),
+    ("qk_clip=maybe", "qk_clip"),
 ]
 
 

@@ -15,6 +15,7 @@ import pytest
 from examples.flax_lm import checkpoint as checkpoint_lib
 from examples.flax_lm import compare as compare_lib
 from examples.flax_lm import config as config_lib
+from examples.flax_lm import qk_clip_demo
 from examples.flax_lm import train as train_lib
 from examples.flax_lm.data import ByteCorpus
 from conftest import ROOT
@@ -208,3 +209,15 @@ def test_blockwise_split_qkv_needs_whole_heads_per_shard(tmp_path):
       f"train.out_dir={tmp_path}"])
   with pytest.raises(ValueError, match="split_qkv cannot split"):
     train_lib.train(cfg, mesh=train_lib.parse_mesh("data=2,model=4"))
+
+
+def test_qk_clip_demo_holds_the_logits_at_tau(tmp_path):
+  tau = 1.0  # below what this small model reaches: the clip must act
+  summary = qk_clip_demo.demo(SMALL + [f"optim.qk_clip_threshold={tau}"],
+                              out=tmp_path)
+  for name in ("summary.json", "qk_clip.png", "plain.jsonl", "clip.jsonl"):
+    assert (tmp_path / name).stat().st_size > 0, name
+  plain, clipped = summary["without QK-clip"], summary["with QK-clip"]
+  assert plain["max_logit_last_quarter"] > 2 * tau
+  # held near τ: a step exceeds it by at most what one update adds
+  assert clipped["max_logit_last_quarter"] < 1.5 * tau

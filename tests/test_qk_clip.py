@@ -232,3 +232,45 @@ def test_sharded_equals_unsharded():
 def test_bad_settings_raise(build, match):
   with pytest.raises(ValueError, match=match):
     build()
+
+
+def test_config_builds_the_clip_after_the_optimizer():
+  params = _attention_params()
+  grads = jax.tree.map(lambda p: gaussian(p.shape, 9), params)
+  logits = {"layer": jnp.array([80.0, 10.0, 20.0, 300.0])}
+  config = om.MuonConfig(optimizer="muon", lr=0.05, qk_clip=True,
+                         qk_clip_threshold=50.0, qk_clip_alpha=0.25,
+                         muon_split_qkv=False)
+  with pytest.raises(ValueError, match="attention"):
+    config.build()
+  tx = config.build(attention=ATTENTION)
+  updates, _ = tx.update(grads, tx.init(params), params, max_logits=logits)
+  no_clip = om.MuonConfig(optimizer="muon", lr=0.05, muon_split_qkv=False)
+  reference = optax.chain(no_clip.build(),
+                          om.qk_clip(50.0, 0.25, attention=ATTENTION))
+  expected, _ = reference.update(grads, reference.init(params), params,
+                                 max_logits=logits)
+  chex.assert_trees_all_close(updates, expected, atol=1e-7)
+  plain, _ = no_clip.build().update(grads, no_clip.build().init(params), params)
+  assert not np.allclose(updates["attn"]["q"]["kernel"],
+                         plain["attn"]["q"]["kernel"])
+
+
+def test_the_example_attention_equals_dot_product_attention():
+  from examples.flax_lm.model import Attention, GPTConfig
+  cfg = GPTConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, block_size=16)
+  with nnx.use_eager_sharding(False):  # no mesh: annotations are metadata
+    attention = Attention(cfg, nnx.Rngs(0))
+  x = gaussian((2, 16, 32), 3)
+  out, max_logits = attention(x)
+  per_group = cfg.n_head // cfg.kv_heads
+  qkv = attention.qkv(x).reshape(2, 16, cfg.kv_heads, (per_group + 2) * 8)
+  q = qkv[..., :per_group * 8].reshape(2, 16, cfg.n_head, 8)
+  k, v = qkv[..., per_group * 8:(per_group + 1) * 8], qkv[..., (per_group + 1) * 8:]
+  want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  np.testing.assert_allclose(out, attention.proj(want.reshape(2, 16, 32)),
+                             atol=1e-5)
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, per_group, 2)) / np.sqrt(8)
+  causal = np.tril(np.ones((16, 16), bool))
+  np.testing.assert_allclose(max_logits, np.where(causal, scores, -np.inf).max(
+      axis=(0, 2, 3)), rtol=1e-6)

@@ -3,10 +3,13 @@
 Token and position embeddings, pre-norm blocks (attention + MLP or a small
 dense mixture of experts), an optional fused QKV projection in Megatron's
 grouped layout, grouped-query attention, an optional scan over stacked layers,
-and an untied lm_head.
+and an untied lm_head. Attention is computed explicitly (einsum, causal mask,
+softmax) so that each layer can report its largest pre-softmax logit per head,
+which QK-clip needs (``GPT.forward``).
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -88,8 +91,16 @@ class Attention(nnx.Module):
       q = self.query(x).reshape(b, t, cfg.n_head, hd)
       k = self.key(x).reshape(b, t, groups, hd)
       v = self.value(x).reshape(b, t, groups, hd)
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    return self.proj(out.reshape(b, t, cfg.n_head * hd))
+    # each query head h reads key/value head h // (n_head / kv_heads)
+    k = jnp.repeat(k.reshape(b, t, groups, hd), cfg.n_head // groups, axis=2)
+    v = jnp.repeat(v.reshape(b, t, groups, hd), cfg.n_head // groups, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    scores = jnp.where(causal, scores, -jnp.inf)
+    # the largest logit each head produced, over batch and positions (QK-clip)
+    max_logits = jax.lax.stop_gradient(scores.max(axis=(0, 2, 3)))
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+    return self.proj(out.reshape(b, t, cfg.n_head * hd)), max_logits
 
 
 class MLP(nnx.Module):
@@ -129,8 +140,11 @@ class Block(nnx.Module):
     self.mlp = Experts(cfg, rngs) if cfg.n_experts else MLP(cfg, rngs)
 
   def __call__(self, x):
-    x = x + self.attn(self.ln1(x))
-    return x + self.mlp(self.ln2(x))
+    """``(x, max_logits)``: the block's output and its attention's largest
+    logit per head, ``(n_head,)``."""
+    attended, max_logits = self.attn(self.ln1(x))
+    x = x + attended
+    return x + self.mlp(self.ln2(x)), max_logits
 
 
 class GPT(nnx.Module):
@@ -159,13 +173,21 @@ class GPT(nnx.Module):
     self.lm_head = _dense(cfg.n_embd, cfg.vocab_size, rngs, False)
 
   def __call__(self, tokens):
+    return self.forward(tokens)[0]
+
+  def forward(self, tokens):
+    """``(logits, max_logits)``: ``(batch, time, vocab)`` and each layer's
+    largest attention logit per head, ``(n_layer, n_head)``."""
     x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[-1]))
     if self.cfg.scan_layers:
-      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
       def run(x, block):
         return block(x)
-      x = run(x, self.blocks)
+      x, max_logits = run(x, self.blocks)
     else:
+      per_layer = []
       for block in self.blocks:
-        x = block(x)
-    return self.lm_head(self.ln_f(x))
+        x, layer_max = block(x)
+        per_layer.append(layer_max)
+      max_logits = jnp.stack(per_layer)
+    return self.lm_head(self.ln_f(x)), max_logits

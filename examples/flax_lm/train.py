@@ -86,6 +86,28 @@ def parse_mesh(text: str) -> jax.sharding.Mesh:
                        axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
 
 
+def attention_of(cfg: config_lib.RunConfig) -> dict:
+  """Where each attention layer's query and key kernels are, for QK-clip:
+  one entry for a scanned stack (its max logits are ``(n_layer, n_head)``),
+  else one per layer."""
+  model = cfg.model
+  layers = ({"blocks": "blocks/attn"} if model.scan_layers else
+            {f"layer{i}": f"blocks/{i}/attn" for i in range(model.n_layer)})
+  if model.fused_qkv:
+    return {name: {"qkv": f"{where}/qkv/kernel", "split_qkv": split_qkv_of(cfg)}
+            for name, where in layers.items()}
+  return {name: {"q": f"{where}/query/kernel", "k": f"{where}/key/kernel",
+                 "num_heads": model.n_head, "num_kv_heads": model.kv_heads,
+                 "head_dim": model.head_dim} for name, where in layers.items()}
+
+
+def max_logits_by_layer(cfg: config_lib.RunConfig, max_logits) -> dict:
+  """The model's ``(n_layer, n_head)`` max logits keyed as ``attention_of``."""
+  if cfg.model.scan_layers:
+    return {"blocks": max_logits}
+  return {f"layer{i}": max_logits[i] for i in range(cfg.model.n_layer)}
+
+
 def build(cfg: config_lib.RunConfig, mesh=None):
   """Model graph, params, optimizer, its state, and the jitted step/eval."""
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
@@ -93,20 +115,25 @@ def build(cfg: config_lib.RunConfig, mesh=None):
   graphdef, params = nnx.split(model)
   specs = nnx.get_partition_spec(params) if mesh is not None else None
   tx = cfg.optim.build(learning_rate_schedule(cfg), params=params,
-                       split_qkv=split_qkv_of(cfg), mesh=mesh, specs=specs)
+                       split_qkv=split_qkv_of(cfg), mesh=mesh, specs=specs,
+                       attention=attention_of(cfg))
   labels = om.default_labels(params)
   muon_leaves = {key: path for key, (path, label) in named_leaves(labels).items()
                  if label == "muon" and cfg.optim.optimizer == "muon"}
 
   def loss_fn(params, inputs, targets):
-    logits = nnx.merge(graphdef, params)(inputs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits,
+    logits, max_logits = nnx.merge(graphdef, params).forward(inputs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits,
                                                            targets).mean()
+    return loss, max_logits
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def train_step(params, opt_state, inputs, targets):
-    loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    (loss, max_logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, inputs, targets)
+    extra = ({"max_logits": max_logits_by_layer(cfg, max_logits)}
+             if cfg.optim.qk_clip else {})
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
     params = optax.apply_updates(params, updates)
     rms = named_leaves(om.update_rms(updates))
     groups = {}
@@ -115,9 +142,12 @@ def build(cfg: config_lib.RunConfig, mesh=None):
     metrics = {"train_loss": loss, "grad_norm": optax.tree.norm(grads)}
     metrics.update({f"update_rms/{g}": jnp.mean(jnp.stack(v))
                     for g, v in groups.items()})
+    # the largest attention logit of each layer this step (before the clip)
+    metrics.update({f"max_logit/layer{i}": m
+                    for i, m in enumerate(max_logits.max(axis=-1))})
     return params, opt_state, metrics
 
-  eval_loss = jax.jit(loss_fn)
+  eval_loss = jax.jit(lambda *args: loss_fn(*args)[0])
   return graphdef, params, tx, tx.init(params), train_step, eval_loss, labels
 
 
