@@ -10,6 +10,9 @@ from optax_muon.config import MuonConfig
 from optax_muon.diagnostics import orthogonality_error
 from optax_muon.diagnostics import singular_value_spread
 from optax_muon.diagnostics import update_rms
+from optax_muon.infer import Layout
+from optax_muon.infer import describe
+from optax_muon.infer import infer_layout
 from optax_muon.labels import default_labels
 from optax_muon.layout import SplitQKV
 from optax_muon.momentum import momentum
@@ -27,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "COEFFICIENT_SETS",
+    "Layout",
     "MuonConfig",
     "MuonDimensionNumbers",
     "SplitQKV",
@@ -35,6 +39,8 @@ __all__ = (
     "clip_qk",
     "coefficient_schedule",
     "default_labels",
+    "describe",
+    "infer_layout",
     "momentum",
     "muon",
     "newton_schulz",

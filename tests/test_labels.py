@@ -35,9 +35,9 @@ def test_embeddings_norms_biases_and_lm_head_go_to_adam(stacked_moe):
 def test_stacked_attention_mlp_experts_and_router_go_to_muon(stacked_moe):
   assert stacked_moe["blocks/attn/qkv/kernel"] == ("muon", (2, 32, 64))
   assert stacked_moe["blocks/attn/proj/kernel"] == ("muon", (2, 32, 32))
-  assert stacked_moe["blocks/mlp/fc"] == ("muon", (2, 4, 32, 128))
-  assert stacked_moe["blocks/mlp/proj"] == ("muon", (2, 4, 128, 32))
-  assert stacked_moe["blocks/mlp/router/kernel"][0] == "muon"
+  assert stacked_moe["blocks/experts/fc"] == ("muon", (2, 4, 32, 128))
+  assert stacked_moe["blocks/experts/proj"] == ("muon", (2, 4, 128, 32))
+  assert stacked_moe["blocks/experts/router/kernel"][0] == "muon"
 
 
 def test_unstacked_model_with_separate_projections():
@@ -56,7 +56,7 @@ def test_patterns_override_the_defaults(stacked_moe):
   labels = _labels_by_path(
       cfg, adam_patterns=DEFAULT_ADAM_PATTERNS + ("router",),
       muon_patterns=("lm_head",))
-  assert labels["blocks/mlp/router/kernel"][0] == "adam"
+  assert labels["blocks/experts/router/kernel"][0] == "adam"
   assert labels["lm_head/kernel"][0] == "muon"
   with pytest.raises(ValueError, match="muon_patterns"):
     _labels_by_path(cfg, muon_patterns=("ln_f",))

@@ -134,17 +134,24 @@ class Experts(nnx.Module):
 class Block(nnx.Module):
 
   def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
     self.ln1 = nnx.LayerNorm(cfg.n_embd, rngs=rngs)
     self.attn = Attention(cfg, rngs)
     self.ln2 = nnx.LayerNorm(cfg.n_embd, rngs=rngs)
-    self.mlp = Experts(cfg, rngs) if cfg.n_experts else MLP(cfg, rngs)
+    # "experts" names the MoE so that layout inference reads its free expert
+    # axis (btd,edh->bteh) as a batch axis (optax_muon.infer_layout)
+    if cfg.n_experts:
+      self.experts = Experts(cfg, rngs)
+    else:
+      self.mlp = MLP(cfg, rngs)
 
   def __call__(self, x):
     """``(x, max_logits)``: the block's output and its attention's largest
     logit per head, ``(n_head,)``."""
     attended, max_logits = self.attn(self.ln1(x))
     x = x + attended
-    return x + self.mlp(self.ln2(x)), max_logits
+    feed_forward = self.experts if self.cfg.n_experts else self.mlp
+    return x + feed_forward(self.ln2(x)), max_logits
 
 
 class GPT(nnx.Module):

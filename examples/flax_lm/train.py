@@ -172,6 +172,10 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False,
   out.mkdir(parents=True, exist_ok=True)
   corpus = ByteCorpus(cfg.train.data, max_bytes=cfg.train.max_bytes)
   _, params, _, opt_state, train_step, eval_loss, labels = build(cfg, mesh)
+  if cfg.optim.optimizer == "muon" and jax.process_index() == 0:
+    split = split_qkv_of(cfg) if cfg.optim.muon_split_qkv else None
+    logging.getLogger("flax_lm").info(
+        "which matrices Muon sees:\n%s", om.describe(params, split_qkv=split))
   if mesh is not None:  # batches split over the data axis
     data_sharding = jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(
@@ -255,7 +259,8 @@ def main(argv=None):
   parser.add_argument("--mesh", help="e.g. data=2,model=4: shard the params "
                       "(tensor parallel over model, batches over data)")
   args = parser.parse_args(argv)
-  logging.basicConfig(level=logging.INFO, format="%(message)s")
+  logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
+  logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing
   overrides = list(args.overrides)
   if args.data:
     overrides.append(f"train.data={args.data}")
