@@ -6,6 +6,7 @@ computed) and follows each parameter leaf to the operations that consume it:
 * ``dot_general``: the leaf's contracting dims are its fan-in axes, its batch
   dims batch axes, its free dims fan-out axes (a ``DenseGeneral`` query kernel
   ``(in, heads, head_dim)`` is one ``in × heads·head_dim`` matrix);
+  ``ragged_dot``'s group axis is a batch axis;
 * ``conv_general_dilated``: input feature and spatial dims are fan-in, the
   output feature fan-out; grouped (depthwise) convolutions go to AdamW;
 * ``gather`` (an embedding lookup): role ``embedding``, AdamW;
@@ -119,6 +120,14 @@ class _Analysis:
                               _axes(view, free)))
           leaves.add(view.leaf)
       return [None], [frozenset(leaves) if leaves else in_tags]
+    if name == "ragged_dot_general" and ins[1] is not None:
+      numbers = eqn.params["ragged_dot_dimension_numbers"]
+      (_, contracting), (_, batch) = numbers.dot_dimension_numbers
+      view, group = ins[1], tuple(numbers.rhs_group_dimensions)
+      free = [a for a in range(len(view.axes))
+              if a not in contracting + batch + group]
+      self.use(view, _Use("dot", _axes(view, contracting), _axes(view, free)))
+      return [None], [frozenset({view.leaf})]  # the group axis: a batch axis
     if name == "conv_general_dilated" and ins[1] is not None:
       view = ins[1]
       spec = eqn.params["dimension_numbers"].rhs_spec  # (out, in, *spatial)

@@ -201,6 +201,12 @@ def test_vmapped_experts_have_a_batch_axis():
                            output=lambda out: ())
   assert layout.dimension_numbers["experts"] == MDN((1,), (2,))
   assert layout.roles["experts"] == "matrix"
+  # dispatched experts: ragged_dot's group axis is a batch axis too
+  ragged = om.infer_layout(
+      lambda p, x, sizes: jax.lax.ragged_dot(x, p["experts"], sizes),
+      {"experts": params["experts"]}, gaussian((10, 16)),
+      jnp.array([3, 3, 2, 2], jnp.int32), output=lambda out: ())
+  assert ragged.dimension_numbers["experts"] == MDN((1,), (2,))
 
 
 def test_tied_embeddings_go_to_adam():
