@@ -279,3 +279,22 @@ def test_readme_shows_the_table_describe_prints():
   table = om.describe(params, split_qkv=train_lib.split_qkv_of(cfg))
   readme = (ROOT / "README.md").read_text()
   assert table in readme, table
+
+
+def test_without_a_structural_head_the_vocabulary_size_decides():
+  params = {"embed": gaussian((50, 16)), "hidden": gaussian((16, 16)),
+            "logits": gaussian((16, 50))}
+
+  def fn(p, tokens):  # returns (aux, logits)
+    x = jnp.take(p["embed"], tokens, axis=0) @ p["hidden"]
+    return x.mean(), x @ p["logits"]
+
+  structural = om.infer_layout(fn, params, TOKENS, output=1)
+  assert structural.roles["logits"] == "head"
+  assert "reaches the output" in structural.reasons["logits"]
+  # no structural head (the selected output is none of the matmuls'):
+  # the matrix whose fan-out is the embedding's vocabulary is the head
+  by_size = om.infer_layout(fn, params, TOKENS, output=lambda outputs: ())
+  assert by_size.roles["logits"] == "head"
+  assert "vocabulary" in by_size.reasons["logits"]
+  assert by_size.roles["hidden"] == "matrix"

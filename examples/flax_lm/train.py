@@ -259,8 +259,13 @@ def main(argv=None):
   parser.add_argument("--mesh", help="e.g. data=2,model=4: shard the params "
                       "(tensor parallel over model, batches over data)")
   args = parser.parse_args(argv)
-  logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
-  logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing
+  # Log to stdout, ours at INFO and libraries' (orbax's absl) at ERROR, so
+  # that stderr carries nothing but a failure's one line.
+  logging.basicConfig(stream=sys.stdout, level=logging.WARNING,
+                      format="%(message)s", force=True)
+  for name in ("flax_lm", "optax_muon"):
+    logging.getLogger(name).setLevel(logging.INFO)
+  logging.getLogger("absl").setLevel(logging.ERROR)
   overrides = list(args.overrides)
   if args.data:
     overrides.append(f"train.data={args.data}")
