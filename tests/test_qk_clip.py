@@ -30,14 +30,14 @@ def _reference(q, k, logits, tau, alpha):
 @pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
 def test_gqa_groups_take_the_max_over_their_heads(alpha):
   q, k = gaussian((IN, H, D), 1), gaussian((IN, G, D), 2)
-  logits = np.array([150.0, 20.0, 90.0, 99.0])  # group 0 clipped, group 1 not
+  logits = np.array([20.0, 150.0, 90.0, 99.0])  # group 0 clipped, group 1 not
   new_q, new_k = om.clip_qk(q, k, logits, threshold=100.0, alpha=alpha,
                             num_heads=H, num_kv_heads=G, head_dim=D)
   want_q, want_k = _reference(q, k, logits, 100.0, alpha)
   np.testing.assert_allclose(new_q, want_q, rtol=1e-6)
   np.testing.assert_allclose(new_k, want_k, rtol=1e-6)
-  # both heads of group 0 scaled (head 1 by its group's max, not its own)
-  np.testing.assert_allclose(new_q[:, 1], q[:, 1] * (100 / 150) ** alpha,
+  # both heads of group 0 scaled (head 0, at 20, by its group's max)
+  np.testing.assert_allclose(new_q[:, 0], q[:, 0] * (100 / 150) ** alpha,
                              rtol=1e-6)
   # the group under τ: bit for bit; the flat layout gives the same numbers
   np.testing.assert_array_equal(new_q[:, 2:], q[:, 2:])
@@ -218,6 +218,15 @@ def test_sharded_equals_unsharded():
                                     max_logits=logits)
   chex.assert_trees_all_close(updates, expected, atol=1e-6)
   assert updates["attn"]["q"]["kernel"].sharding.spec == P(None, "model")
+  # the rescale itself is local to each shard: no collectives
+  clip = om.qk_clip(50.0, attention=ATTENTION)
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(lambda u, p: clip.update(u, clip.init(p), p,
+                                           max_logits=logits)[0]).lower(
+        put(grads), sharded).compile().as_text()
+  for collective in ("all-gather", "all-reduce", "all-to-all",
+                     "collective-permute"):
+    assert f" {collective}(" not in hlo and f" {collective}-start(" not in hlo
 
 
 @pytest.mark.parametrize("build, match", [
