@@ -17,13 +17,18 @@ def _blocks(path):
   return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
 
 
-@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
-def test_code_blocks_run(path):
-  for number, block in enumerate(_blocks(path)):
-    try:
-      exec(compile(block, f"{path.name}[{number}]", "exec"), {})
-    except Exception as error:  # pylint: disable=broad-except
-      pytest.fail(f"{path.name} block {number} raised {error!r}:\n{block}")
+BLOCKS = [(path, number, block) for path in DOCS
+          for number, block in enumerate(_blocks(path))]
+
+
+# one test per block, so that the slow ones run in parallel
+@pytest.mark.parametrize("path, number, block", BLOCKS,
+                         ids=[f"{p.name}[{n}]" for p, n, _ in BLOCKS])
+def test_code_block_runs(path, number, block):
+  try:
+    exec(compile(block, f"{path.name}[{number}]", "exec"), {})
+  except Exception as error:  # pylint: disable=broad-except
+    pytest.fail(f"{path.name} block {number} raised {error!r}:\n{block}")
 
 
 def test_migration_tables_cover_every_argument_and_field():
