@@ -4,11 +4,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 import optax_muon as om
+from optax_muon import layout as layout_lib
 from conftest import ROOT, gaussian
 
 MDN = om.MuonDimensionNumbers
@@ -113,8 +113,8 @@ def test_the_example_gpt_agrees_with_its_labels_and_views():
   shapes = {path: leaf.shape for path, leaf in _by_path(params).items()}
   for path, dims in _by_path(layout.dimension_numbers).items():
     if _by_path(layout.labels)[path] == "muon":  # the same matrices
-      assert om.infer.layout_lib.matrix_view(shapes[path], dims).matrix_shapes \
-          == om.infer.layout_lib.matrix_view(shapes[path]).matrix_shapes, path
+      assert layout_lib.matrix_view(shapes[path], dims).matrix_shapes == \
+          layout_lib.matrix_view(shapes[path]).matrix_shapes, path
   roles, reasons = _by_path(layout.roles), _by_path(layout.reasons)
   assert roles["lm_head/kernel"] == "head"
   assert roles["wte/embedding"] == roles["wpe/embedding"] == "embedding"
