@@ -120,8 +120,7 @@ class Analysis:
                 in_tags]
       self.use(ins[0], Use("gather"))
       return plain
-    if any(ins) and name in VIEW_OPS and ins[0] is not None and not any(
-        ins[1:]):
+    if name in VIEW_OPS and ins[0] is not None and not any(ins[1:]):
       view = VIEW_OPS[name](ins[0], eqn)
       if view is not None:
         return [view], [in_tags]

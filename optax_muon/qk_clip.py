@@ -17,7 +17,7 @@ leading axes of ``max_logits`` (``(..., num_heads)``).
 """
 
 import dataclasses
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -167,15 +167,13 @@ def clip_qk(q_kernel, k_kernel, max_logits, *, threshold=100.0, alpha=0.5,
 
 @dataclasses.dataclass(frozen=True)
 class _Layer:
-  """Where one attention layer's kernels are, resolved from ``attention``."""
+  """One attention layer: its kernels, each with its ``column_map`` part
+  (``"q"``, ``"k"`` or a fused layout), and its head counts."""
   name: str
-  q: tuple[str, ...] | None
-  k: tuple[str, ...] | None
-  qkv: tuple[str, ...] | None
+  parts: tuple[tuple[tuple[str, ...], str], ...]
   num_heads: int
   num_kv_heads: int
   head_dim: int
-  split: layout.SplitQKV | None
 
 
 def _as_path(path) -> tuple[str, ...]:
@@ -196,9 +194,8 @@ def _layers(attention: Mapping[str, Mapping[str, Any]]) -> list[_Layer]:
         raise ValueError(f"{where} has 'qkv' and needs 'split_qkv': a "
                          f"SplitQKV with its head counts, got {split!r}")
       unknown = set(spec) - {"qkv", "split_qkv"}
-      layers.append(_Layer(name, None, None, _as_path(spec["qkv"]),
-                           split.num_heads, split.num_kv_heads, split.head_dim,
-                           split))
+      layers.append(_Layer(name, ((_as_path(spec["qkv"]), split.layout),),
+                           split.num_heads, split.num_kv_heads, split.head_dim))
     else:
       needed = {"q", "k", "num_heads", "num_kv_heads", "head_dim"}
       if needed - set(spec):
@@ -207,16 +204,13 @@ def _layers(attention: Mapping[str, Mapping[str, Any]]) -> list[_Layer]:
                          "['qkv', 'split_qkv']")
       unknown = set(spec) - needed
       _check_heads(spec["num_heads"], spec["num_kv_heads"], spec["head_dim"])
-      layers.append(_Layer(name, _as_path(spec["q"]), _as_path(spec["k"]),
-                           None, spec["num_heads"], spec["num_kv_heads"],
-                           spec["head_dim"], None))
+      layers.append(_Layer(name, ((_as_path(spec["q"]), "q"),
+                                  (_as_path(spec["k"]), "k")),
+                           spec["num_heads"], spec["num_kv_heads"],
+                           spec["head_dim"]))
     if unknown:
       raise ValueError(f"{where} has unknown keys {sorted(unknown)}")
   return layers
-
-
-class QKClipState(NamedTuple):
-  """QK-clip keeps no state."""
 
 
 def qk_clip(threshold=100.0, alpha=0.5, *,
@@ -250,12 +244,10 @@ def qk_clip(threshold=100.0, alpha=0.5, *,
   layers = _layers(attention)
 
   def init_fn(params):
-    known = _paths.known_paths(params)
     for layer in layers:
-      for path in (layer.q, layer.k, layer.qkv):
-        if path is not None and path not in known:
-          _paths.check_paths_known(f"attention[{layer.name!r}]", [path], params)
-    return QKClipState()
+      _paths.check_paths_known(f"attention[{layer.name!r}]",
+                               [path for path, _ in layer.parts], params)
+    return optax.EmptyState()
 
   def update_fn(updates, state, params=None, *, max_logits=None, **extra_args):
     del extra_args
@@ -272,9 +264,7 @@ def qk_clip(threshold=100.0, alpha=0.5, *,
     param_of = dict(_paths.leaves_with_paths(params)[0])
     new = [leaf for _, leaf in leaves]
     for layer in layers:
-      parts = ([(layer.qkv, layer.split.layout)] if layer.qkv is not None else
-               [(layer.q, "q"), (layer.k, "k")])
-      for path, part in parts:
+      for path, part in layer.parts:
         if path not in index:
           raise ValueError(f"attention[{layer.name!r}] names "
                            f"{'/'.join(path)!r}, which is not among the updates")
