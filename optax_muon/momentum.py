@@ -1,4 +1,4 @@
-"""The momentum transform of Muon (no bias correction, no step count)."""
+"""The momentum transform of Muon (EMA or SGD style, optional bias correction)."""
 
 from typing import NamedTuple
 
@@ -41,8 +41,15 @@ def _buffer_dtype(param_dtype, dtype):
   return dtype
 
 
+class BiasCorrectedMomentumState(NamedTuple):
+  """The momentum buffer and the number of updates taken."""
+  count: jax.Array  # int32 scalar
+  mu: optax.Updates
+
+
 def momentum(beta=0.95, *, nesterov: bool = True, style: str = "ema",
-             dtype=None) -> optax.GradientTransformation:
+             dtype=None, bias_correction: bool = False
+             ) -> optax.GradientTransformation:
   r"""Accumulates gradients into a momentum buffer and returns its update.
 
   ``style="ema"`` (Megatron-Core, emerging-optimizers)::
@@ -53,6 +60,14 @@ def momentum(beta=0.95, *, nesterov: bool = True, style: str = "ema",
 
     m ← β m + g;           u = g + β m          (Nesterov)  or  u = m
 
+  ``bias_correction`` (``"ema"`` only; ``optax.contrib.muon``) divides each
+  term by its EMA's weight after ``t`` updates, as Adam does::
+
+    u = (1 − β) g / (1 − βᵗ) + β m / (1 − βᵗ⁺¹)  (Nesterov)  or  u = m / (1 − βᵗ)
+
+  The sums are taken in the wider of the gradient's and the buffer's dtypes
+  and the buffer is stored in its own.
+
   Args:
     beta: momentum coefficient in ``[0, 1)``; may be traced.
     nesterov: use the Nesterov look-ahead.
@@ -60,37 +75,60 @@ def momentum(beta=0.95, *, nesterov: bool = True, style: str = "ema",
     dtype: dtype of the buffer; ``None`` keeps each param's dtype (use
       ``"float32"`` for bf16 params; a complex param gets the complex dtype
       of that precision).
+    bias_correction: correct the EMA's bias towards zero in early steps; the
+      state then counts the updates (``BiasCorrectedMomentumState``).
 
   Returns:
-    An ``optax.GradientTransformation`` with state ``MomentumState``.
+    An ``optax.GradientTransformation`` with state ``MomentumState`` (or
+    ``BiasCorrectedMomentumState``).
 
   References:
     Jordan et al., `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024
+
+    Kingma and Ba, `Adam <https://arxiv.org/abs/1412.6980>`_, 2015
   """
   _checks.check_range("beta", beta, 0.0, 1.0)
   _checks.check_choice("style", style, MOMENTUM_STYLES)
   if not isinstance(nesterov, bool):
     raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
+  if not isinstance(bias_correction, bool):
+    raise TypeError(f"bias_correction must be a bool, got {bias_correction!r}")
+  if bias_correction and style != "ema":
+    raise ValueError(f"bias_correction=True needs style='ema' (an average), "
+                     f"got style={style!r}; accepted styles with it: ['ema']")
   dtype = canonical_dtype("dtype", dtype)
   gradient_weight = (lambda: 1.0 - beta) if style == "ema" else (lambda: 1.0)
 
   def init_fn(params):
     # zeros_like keeps each param's sharding
-    return MomentumState(mu=jax.tree.map(
-        lambda p: jnp.zeros_like(p, dtype=_buffer_dtype(jnp.result_type(p),
-                                                         dtype)), params))
+    mu = jax.tree.map(lambda p: jnp.zeros_like(
+        p, dtype=_buffer_dtype(jnp.result_type(p), dtype)), params)
+    if bias_correction:
+      return BiasCorrectedMomentumState(count=jnp.zeros([], jnp.int32), mu=mu)
+    return MomentumState(mu=mu)
 
   def update_fn(updates, state, params=None):
     del params
     weight = gradient_weight()
-    # Accumulate in the buffer's dtype: bf16 grads into an fp32 buffer stay fp32.
-    grads = jax.tree.map(lambda g, m: g.astype(m.dtype), updates, state.mu)
-    mu = jax.tree.map(lambda g, m: (beta * m + weight * g).astype(m.dtype),
-                      grads, state.mu)
+    # bf16 grads into an fp32 buffer are summed in fp32
+    updates = jax.tree.map(lambda g, m: g.astype(jnp.result_type(g, m)),
+                           updates, state.mu)
+    mu = jax.tree.map(lambda g, m: weight * g + beta * m, updates, state.mu)
+    stored = jax.tree.map(lambda m, old: m.astype(old.dtype), mu, state.mu)
+    if not bias_correction:
+      if nesterov:
+        out = jax.tree.map(lambda g, m: weight * g + beta * m, updates, mu)
+      else:
+        out = mu
+      return out, MomentumState(mu=stored)
+    count = optax.safe_increment(state.count)
     if nesterov:
-      out = jax.tree.map(lambda g, m: weight * g + beta * m, grads, mu)
+      out = jax.tree.map(
+          lambda m, g: beta * m + weight * g,
+          optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+          optax.tree.bias_correction(updates, beta, count))
     else:
-      out = mu
-    return out, MomentumState(mu=mu)
+      out = optax.tree.bias_correction(mu, beta, count)
+    return out, BiasCorrectedMomentumState(count=count, mu=stored)
 
   return optax.GradientTransformation(init_fn, update_fn)

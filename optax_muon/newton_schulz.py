@@ -54,14 +54,24 @@ def _all_reduce(reduce, x, axis_name):
   return x if axis_name is None else reduce(x, axis_name)
 
 
-def normalize(x: jax.Array, eps: float, axis_name=None) -> jax.Array:
+def normalize(x: jax.Array, eps: float, axis_name=None,
+              add_eps: bool = False) -> jax.Array:
   """``x / max(‖x‖_F, eps)`` per matrix, safe over the whole fp32 range.
 
   Dividing by ``max|x|`` first keeps ``‖x‖²`` from overflowing (entries near
   1e30) or underflowing (near 1e-30), so the result is scale-invariant; a zero
-  matrix stays exactly zero. Inside ``shard_map``, ``axis_name`` names the
-  mesh axis the columns of ``x`` are split over.
+  matrix stays exactly zero. ``add_eps`` gives ``x / (‖x‖_F + eps)`` instead,
+  computed as ``optax.contrib.muon`` does (no pre-scaling). Inside
+  ``shard_map``, ``axis_name`` names the mesh axis the columns of ``x`` are
+  split over.
   """
+  if add_eps:
+    if axis_name is None:  # jnp's norm, for optax's bits
+      norm = jnp.linalg.norm(x, axis=(-2, -1), keepdims=True)
+    else:
+      norm = jnp.sqrt(jax.lax.psum(jnp.sum(jnp.real(x * jnp.conj(x)), axis=(
+          -2, -1), keepdims=True), axis_name))
+    return x / (norm + eps).astype(x.dtype)
   peak = _all_reduce(jax.lax.pmax, jnp.max(jnp.abs(x), axis=(-2, -1),
                                            keepdims=True), axis_name)
   x = x / jnp.where(peak > 0, peak, 1.0)
@@ -70,8 +80,64 @@ def normalize(x: jax.Array, eps: float, axis_name=None) -> jax.Array:
   return x / jnp.maximum(norm, eps)
 
 
+PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
+GRAM_RESCALINGS = ("aol", "schatten")  # scale X from A = X Xᴴ
+
+
+def gram_rescale(X: jax.Array, A: jax.Array, preconditioning: str,
+                 eps: float) -> tuple[jax.Array, jax.Array]:
+  r"""``(S X, S A Sᴴ)`` for ``A = X Xᴴ``, with ``S`` read off ``A``.
+
+  * ``"aol"``: ``S = diag(Σ_j |A_ij|)^{-1/2}`` (almost-orthogonal-layer
+    rescaling, Boissin et al. 2025);
+  * ``"schatten"``: ``S = ‖A‖_F^{-1/2}``, one over the Schatten-4 norm of
+    ``X`` (Grishina et al. 2025).
+
+  Both bound the spectral norm more tightly than Frobenius, so the iteration
+  starts with larger singular values; the divisor is floored at ``eps``.
+  """
+  if preconditioning == "aol":
+    s = jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.abs(A), axis=-1), eps))[..., None]
+    s = s.astype(X.dtype)
+    return X * s, A * s * jnp.swapaxes(s, -1, -2)
+  s = jax.lax.rsqrt(jnp.maximum(
+      jnp.linalg.norm(A, axis=(-2, -1), keepdims=True), eps)).astype(X.dtype)
+  return X * s, A * s ** 2
+
+
+def precondition(x: jax.Array, preconditioning: str, eps: float,
+                 precision: str, axis_name=None,
+                 add_eps: bool = False) -> jax.Array:
+  r"""Scales each matrix of ``x`` so that its singular values are ≤ 1.
+
+  ``"frobenius"``: ``X / ‖X‖_F`` (``normalize``); ``"spectral"``:
+  ``X / ‖X‖₂`` (an SVD); ``"aol"``, ``"schatten"``: see ``gram_rescale``
+  (``iterate(rescale=...)`` does it within the first step instead, reusing
+  its ``X Xᴴ``). ``eps`` floors the divisor; ``add_eps``: is added to the
+  Frobenius or spectral norm, as in ``optax.contrib.muon``. Inside
+  ``shard_map``, ``axis_name`` names the axis the columns are split over
+  (not for ``"spectral"``).
+  """
+  if preconditioning == "frobenius":
+    return normalize(x, eps, axis_name, add_eps)
+  if preconditioning == "spectral":
+    norm = jnp.linalg.norm(x, ord=2, axis=(-2, -1), keepdims=True)
+    return x / ((norm + eps) if add_eps else jnp.maximum(norm, eps)).astype(
+        x.dtype)
+  A = _all_reduce(jax.lax.psum, matmul(x, conj_transpose(x), precision),
+                  axis_name)
+  return gram_rescale(x, A, preconditioning, eps)[0]
+
+
+def _is_cubic(table) -> bool:
+  """Whether every ``c`` is 0 (a traced table, from a state, is not known)."""
+  return not _checks.is_traced(table) and bool(np.all(np.asarray(table)[:, 2]
+                                                      == 0))
+
+
 def iterate(x: jax.Array, table: np.ndarray, mode: str, steps,
-            precision: str, axis_name=None) -> jax.Array:
+            precision: str, axis_name=None, rescale: str | None = None,
+            eps: float = 0.0) -> jax.Array:
   """Runs ``steps`` Newton–Schulz steps on normalized ``x``.
 
   ``x`` is wide (m ≤ n) for the fewest FLOPs, though any orientation gives the
@@ -80,19 +146,25 @@ def iterate(x: jax.Array, table: np.ndarray, mode: str, steps,
   looks its coefficients up per step. Inside ``shard_map``, ``axis_name``
   names the mesh axis the columns of ``x`` are split over: the Gram matrix
   ``X Xᵀ`` is then the sum of the shards' (one all-reduce a step). Complex
-  ``x`` uses ``X Xᴴ``.
+  ``x`` uses ``X Xᴴ``. ``rescale`` (``"aol"`` or ``"schatten"``, floored at
+  ``eps``) scales the unnormalized ``x`` within the first step, from its
+  ``X Xᴴ`` (``gram_rescale``).
   """
   rows = jnp.asarray(table, jnp.float32)
-  cubic = bool(np.all(table[:, 2] == 0))
+  cubic = _is_cubic(table)
 
-  def step(i, X):
+  def step(i, X, rescale=None):
     a, b, c = rows[coefficients_lib.schedule_index(i, len(table), mode, jnp)]
     A = _all_reduce(jax.lax.psum, matmul(X, conj_transpose(X), precision),
                     axis_name)
-    B = b * A if cubic else b * A + c * matmul(A, A, precision)
+    if rescale is not None:
+      X, A = gram_rescale(X, A, rescale, eps)
+    B = b * A if cubic else b * A + matmul(c * A, A, precision)
     return a * X + matmul(B, X, precision)
 
-  return jax.lax.fori_loop(0, steps, step, x)
+  if rescale is None:
+    return jax.lax.fori_loop(0, steps, step, x)
+  return jax.lax.fori_loop(1, steps, step, step(0, x, rescale))
 
 
 GRAM_MIN_ASPECT = 2.5  # below it the Gram form saves no FLOPs
@@ -127,7 +199,7 @@ def iterate_gram(x: jax.Array, table: np.ndarray, mode: str, steps,
     Zhang, Amsel, Chen, Dao, `Gram Newton–Schulz`, 2026
   """
   rows = jnp.asarray(table, jnp.float32)
-  cubic = bool(np.all(table[:, 2] == 0))
+  cubic = _is_cubic(table)
   eye = jnp.eye(x.shape[-2], dtype=x.dtype)
 
   def polynomial(i, R):

@@ -59,7 +59,8 @@ def _wide(matrix: jax.Array) -> jax.Array:
 
 def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
                            mode: str, steps, precision: str, eps,
-                           method: str = "standard",
+                           preconditioning: str = "frobenius",
+                           add_eps: bool = False, method: str = "standard",
                            distribute_axis: str | None = None) -> list[jax.Array]:
   """NS of each ``(batch, m, n)`` array, one batched loop per stack.
 
@@ -85,11 +86,16 @@ def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
           padded // ranks)
     m, n = stack.shape[-2:]
     if method == "gram" and ns.gram_saves_flops(m, n):
-      stack = ns.iterate_gram(ns.normalize(stack, eps), table, mode, steps,
-                              precision)
+      stack = ns.iterate_gram(ns.precondition(stack, preconditioning, eps,
+                                              precision, add_eps=add_eps),
+                              table, mode, steps, precision)
+    elif preconditioning in ns.GRAM_RESCALINGS:
+      stack = ns.iterate(stack, table, mode, steps, precision,
+                         rescale=preconditioning, eps=eps)
     else:
-      stack = ns.iterate(ns.normalize(stack, eps), table, mode, steps,
-                         precision)
+      stack = ns.iterate(ns.precondition(stack, preconditioning, eps,
+                                         precision, add_eps=add_eps),
+                         table, mode, steps, precision)
     if distribute_axis is not None:
       stack = jax.lax.all_gather(stack, distribute_axis, tiled=True)[:count]
     offsets = np.cumsum([0] + [x.shape[0] for x in inputs])
@@ -102,13 +108,19 @@ def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
 
 
 def _distributed_newton_schulz(matrices, axis_name, table, mode, steps,
-                               precision, eps):
+                               precision, eps, preconditioning="frobenius",
+                               add_eps=False):
   """NS of matrices whose columns are split over ``axis_name`` (shard_map)."""
   out = []
   for matrix in matrices:
-    x = ns.normalize(matrix.astype(ns.working_dtype(matrix.dtype)), eps,
-                     axis_name)
-    x = ns.iterate(x, table, mode, steps, precision, axis_name)
+    x = matrix.astype(ns.working_dtype(matrix.dtype))
+    if preconditioning in ns.GRAM_RESCALINGS:
+      x = ns.iterate(x, table, mode, steps, precision, axis_name,
+                     rescale=preconditioning, eps=eps)
+    else:
+      x = ns.iterate(ns.precondition(x, preconditioning, eps, precision,
+                                     axis_name, add_eps),
+                     table, mode, steps, precision, axis_name)
     out.append(x.astype(matrix.dtype))
   return out
 
@@ -116,7 +128,8 @@ def _distributed_newton_schulz(matrices, axis_name, table, mode, steps,
 def orthogonalize(*, coefficients="quintic", steps=5,
                   precision: str = "highest", method: str = "standard",
                   dimension_numbers=None, split_qkv=None, sharding=None,
-                  eps=1e-30) -> optax.GradientTransformation:
+                  eps=1e-30, preconditioning: str = "frobenius",
+                  add_eps: bool = False) -> optax.GradientTransformation:
   r"""Replaces each matrix of the updates by its Newton–Schulz polar factor.
 
   Each leaf is viewed as a batch of matrices ``G`` (``fan_in × fan_out``; see
@@ -137,7 +150,13 @@ def orthogonalize(*, coefficients="quintic", steps=5,
       for every leaf, a tree of them, or a callable of the params.
     split_qkv: ``None``, a ``SplitQKV``, a tree of them or a callable.
     sharding: ``None``, or a ``TensorParallel`` to run over a mesh.
-    eps: floor of the Frobenius norm used to normalize.
+    eps: floor of the norm used to normalize.
+    preconditioning: how each matrix is scaled before the iteration:
+      ``"frobenius"`` (default), ``"spectral"``, ``"aol"`` or ``"schatten"``
+      (see ``newton_schulz.precondition``; ``"spectral"`` not with
+      ``sharding.mode="distributed"``).
+    add_eps: add ``eps`` to the Frobenius or spectral norm instead of
+      flooring it, as ``optax.contrib.muon`` does.
 
   Returns:
     A stateless ``optax.GradientTransformation``.
@@ -151,10 +170,20 @@ def orthogonalize(*, coefficients="quintic", steps=5,
   _checks.check_choice("precision", precision, ns.PRECISIONS)
   _checks.check_choice("method", method, METHODS)
   _checks.check_range("eps", eps, 0.0, np.inf)
+  _checks.check_choice("preconditioning", preconditioning, ns.PRECONDITIONINGS)
+  if not isinstance(add_eps, bool):
+    raise TypeError(f"add_eps must be a bool, got {add_eps!r}")
   sharding_lib.check_sharding(sharding)
+  if (preconditioning == "spectral" and sharding is not None and
+      sharding.mode == "distributed"):
+    raise ValueError(
+        "preconditioning='spectral' needs each whole matrix (an SVD), but "
+        "sharding.mode='distributed' keeps matrices split; accepted: "
+        "preconditioning in ['frobenius', 'aol', 'schatten'] with that mode, "
+        "or sharding.mode in ['blockwise', 'duplicated', 'allgather']")
   resolve_views = layout.view_resolver(dimension_numbers, split_qkv)
   settings = dict(table=table, mode=mode, steps=steps, precision=precision,
-                  eps=eps)
+                  eps=eps, preconditioning=preconditioning, add_eps=add_eps)
   grouped = dict(settings, method=method)
 
   def check_dtypes(views):
