@@ -11,7 +11,13 @@ script checks they do (``max_abs_diff``) before it compares times. Ours runs
 twice: the standard Newton–Schulz and ``method="gram"`` (the same polynomial
 on the Gram matrix where a matrix is at least 2.5 times wider than tall).
 Trees: (a) the example GPT's params, (b) 24 leaves of 1024×4096 / 4096×1024,
-(c) a stacked [12, 512, 2048] leaf that optax is told to vmap over.
+(c) a stacked [12, 512, 2048] leaf that optax is told to vmap over, (d) four
+transformer layers with a 512-wide residual (qkv 512×1536, out 512×512, MLP
+512×2048 and 2048×512, two norm scales each).
+
+``optax_muon.compat.muon`` runs too, called exactly as optax is (the same
+arguments, so the same numbers: ``compat_max_abs_diff``); ``compat_over_optax``
+is its time over optax's.
 
 Two limits: ``roofline``, the standard NS FLOPs at the rate of a square matmul
 (1024², the machine's best), and ``matmuls_alone``, the same NS matmuls at the
@@ -33,6 +39,7 @@ from flax import nnx  # noqa: E402
 from optax.contrib import MuonDimensionNumbers  # noqa: E402
 
 import optax_muon as om  # noqa: E402
+from optax_muon import compat  # noqa: E402
 from _timing import emit, interleaved, ns_flops  # noqa: E402
 from examples.flax_lm.model import GPT, GPTConfig  # noqa: E402
 
@@ -47,8 +54,14 @@ def trees(quick: bool):
   count = 4 if quick else 24
   wide = {f"w{i:02d}": normal(big if i % 2 else big[::-1]) for i in range(count)}
   stacked = {"w": normal((4, 128, 512) if quick else (12, 512, 2048))}
+  d = 128 if quick else 512
+  layers = {f"layer{i}": {"qkv": normal((d, 3 * d)), "out": normal((d, d)),
+                          "up": normal((d, 4 * d)), "down": normal((4 * d, d)),
+                          "norm1": normal((d,)), "norm2": normal((d,))}
+            for i in range(4)}
   return {"gpt": (gpt, None), "wide": (wide, None),
-          "stacked": (stacked, {"w": MuonDimensionNumbers(1, 2)})}
+          "stacked": (stacked, {"w": MuonDimensionNumbers(1, 2)}),
+          "layers512": (layers, None)}
 
 
 def is_muon_leaf(x, dims) -> bool:
@@ -63,11 +76,12 @@ def optimizers(params, dims, nesterov: bool = False):
       0.02, coefficients="quintic", steps=5, beta=0.95, nesterov=nesterov,
       scale_mode="shape_scaling", labels=labels, precision="highest",
       adam_eps=1e-8, method=method)
-  theirs = optax.contrib.muon(0.02, ns_coeffs="dion", ns_steps=5, beta=0.95,
-                              nesterov=nesterov,
-                              muon_weight_dimension_numbers=dims)
+  optax_settings = dict(ns_coeffs="dion", ns_steps=5, beta=0.95,
+                        nesterov=nesterov, muon_weight_dimension_numbers=dims)
+  theirs = optax.contrib.muon(0.02, **optax_settings)
   return {"optax_muon": ours("standard"), "optax_muon_gram": ours("gram"),
           "optax.contrib.muon": theirs,
+          "compat": compat.muon(0.02, **optax_settings),
           "adamw": optax.adamw(0.02, eps=1e-8, weight_decay=0.0)}
 
 
@@ -95,7 +109,7 @@ def matmul_limit(matrices, steps: int):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--trees", default="gpt,wide,stacked")
+  parser.add_argument("--trees", default="gpt,wide,stacked,layers512")
   args = parser.parse_args()
   quick = args.quick
   for name, (params, dims) in trees(quick).items():
@@ -127,6 +141,11 @@ def main():
           "leaves": len(jax.tree.leaves(params)),
           "params": int(sum(x.size for x in jax.tree.leaves(params))),
           "seconds": times, "max_abs_diff": diff,
+          "compat_max_abs_diff": max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                                     zip(jax.tree.leaves(outputs["compat"]),
+                                         jax.tree.leaves(
+                                             outputs["optax.contrib.muon"]))),
+          "compat_over_optax": times["compat"] / times["optax.contrib.muon"],
           "ours_over_optax": times["optax_muon"] / times["optax.contrib.muon"],
           "ours_gram_over_optax": (times["optax_muon_gram"] /
                                    times["optax.contrib.muon"]),

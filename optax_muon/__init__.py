@@ -2,6 +2,7 @@
 
 from optax.contrib import MuonDimensionNumbers
 
+from optax_muon import compat
 from optax_muon.alias import muon
 from optax_muon.alias import scale_by_muon
 from optax_muon.coefficients import COEFFICIENT_SETS
@@ -37,6 +38,7 @@ __all__ = (
     "TensorParallel",
     "adamw_rms_match_factor",
     "clip_qk",
+    "compat",
     "coefficient_schedule",
     "default_labels",
     "describe",

@@ -53,7 +53,8 @@ def scale_by_muon(*, beta=0.95, nesterov: bool = True,
                   method: str = "standard", scale_mode: str = "spectral",
                   extra_scale_factor=None, match_adamw_update_rms: bool = False,
                   adamw_beta1=0.9, dimension_numbers=None, split_qkv=None,
-                  sharding=None) -> optax.GradientTransformation:
+                  sharding=None, preconditioning: str = "frobenius"
+                  ) -> optax.GradientTransformation:
   r"""Muon's direction: momentum, orthogonalized, scaled by shape.
 
   For each matrix ``G`` (``fan_in × fan_out``) of each leaf::
@@ -82,7 +83,9 @@ def scale_by_muon(*, beta=0.95, nesterov: bool = True,
     adamw_beta1: AdamW's β₁ for ``match_adamw_update_rms``.
     dimension_numbers: ``MuonDimensionNumbers``, a tree of them or a callable.
     split_qkv: ``SplitQKV``, a tree of them or a callable.
-    sharding: ``None`` (reserved for tensor-parallel execution).
+    sharding: ``None`` or a ``TensorParallel``.
+    preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"`` or
+      ``"schatten"`` (see ``orthogonalize``).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -108,6 +111,7 @@ def scale_by_muon(*, beta=0.95, nesterov: bool = True,
                             dtype=mu_dtype),
       orthogonalize_lib.orthogonalize(coefficients=coefficients, steps=steps,
                                       precision=precision, method=method,
+                                      preconditioning=preconditioning,
                                       **layout_args),
       scaling.scale_by_shape(scale_mode, **layout_args),
       optax.scale(extra),
@@ -141,8 +145,8 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
          split_qkv=None, sharding=None, weight_decay=0.0,
          weight_decay_mask=None, labels=None, scalar_optimizer: str = "adam",
          adam_learning_rate=None, adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,
-         adam_weight_decay=0.0,
-         adam_weight_decay_mask=None) -> optax.GradientTransformation:
+         adam_weight_decay=0.0, adam_weight_decay_mask=None,
+         preconditioning: str = "frobenius") -> optax.GradientTransformation:
   r"""Muon for the matrices, AdamW (or Lion) for everything else.
 
   Muon leaves: ``p ← p − lr · (scale_by_muon(g) + weight_decay · p)``
@@ -158,7 +162,7 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
     learning_rate: Muon's learning rate, a float or an optax schedule.
     beta, nesterov, momentum_style, mu_dtype, coefficients, steps, precision,
       method, scale_mode, extra_scale_factor, dimension_numbers, split_qkv,
-      sharding: see ``scale_by_muon``.
+      sharding, preconditioning: see ``scale_by_muon``.
     match_adamw_update_rms: scale Muon updates to AdamW's RMS using
       ``adam_b1``, so that ``learning_rate`` can be AdamW's.
     weight_decay: decoupled weight decay of the Muon leaves.
@@ -193,7 +197,7 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
           extra_scale_factor=extra_scale_factor,
           match_adamw_update_rms=match_adamw_update_rms, adamw_beta1=adam_b1,
           dimension_numbers=dimension_numbers, split_qkv=split_qkv,
-          sharding=sharding),
+          sharding=sharding, preconditioning=preconditioning),
       optax.add_decayed_weights(
           weight_decay, _mask_by_path("weight_decay_mask", weight_decay_mask)),
       optax.scale_by_learning_rate(learning_rate),

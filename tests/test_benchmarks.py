@@ -13,7 +13,8 @@ RATIOS = {
     "ns_roofline": ["ratio", "time_ratio"],
     "update_vs_optax": ["ours_over_optax", "ours_gram_over_optax",
                         "ours_over_adamw", "max_abs_diff", "ours_over_roofline",
-                        "ours_gram_over_roofline", "ours_over_matmuls_alone"],
+                        "ours_gram_over_roofline", "ours_over_matmuls_alone",
+                        "compat_over_optax", "compat_max_abs_diff"],
     "memory": ["state_ours_over_adamw", "temp_ours_over_optax",
                "temp_ours_gram_over_optax"],
     "train_step": ["muon_over_adamw"],
@@ -53,6 +54,7 @@ def test_gpu_script_runs_every_benchmark_on_cpu_in_quick_mode(tmp_path):
     assert {r["benchmark"] for r in records} <= {name, "gram"}
     if name == "update_vs_optax":  # like for like: the same update
       assert all(d < 1e-4 for r in records for d in r["max_abs_diff"].values())
+      assert all(r["compat_max_abs_diff"] < 1e-5 for r in records)
 
 
 def test_sharding_benchmark_prints_bytes_per_mode():

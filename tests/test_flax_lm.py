@@ -169,18 +169,54 @@ def test_bad_run_overrides_raise():
     config_lib.run_config(["model.n_head=5"])
 
 
-def test_compare_writes_curves_summary_and_plot(tmp_path):
+def test_compare_runs_three_contestants_and_extends_edge_sweeps(
+    tmp_path, monkeypatch):
+  monkeypatch.setattr(compare_lib, "MAX_EXTENSIONS", 1)
   summary = compare_lib.compare(
       SMALL + ["train.steps=8", "train.eval_every=4"],
-      sweeps={"adam": (3e-3,), "muon": (3e-3, 1e-2)}, out=tmp_path)
+      sweeps={"adam": (3e-3,), "muon": (1e-2,), "optax": (2e-2,)},
+      out=tmp_path, seeds=(0,))
   root = tmp_path / "tiny"
-  for name in ("adam.jsonl", "muon.jsonl", "summary.json", "val_loss.png"):
+  for name in ("adam.jsonl", "muon.jsonl", "optax.jsonl", "summary.json",
+               "val_loss.png"):
     assert (root / name).stat().st_size > 0, name
-  assert len(summary["sweep"]) == 3
-  assert summary["best"]["muon"]["final_val_loss"] == min(
-      r["final_val_loss"] for r in summary["sweep"] if r["optimizer"] == "muon")
-  for run in summary["best"].values():
-    assert run["final_val_loss"] < np.log(256)  # learned something
+  for name, start in (("adam", 3e-3), ("muon", 1e-2), ("optax", 2e-2)):
+    tried = {r["lr"]: r["final_val_loss"] for r in summary["sweep"]
+             if r["optimizer"] == name}
+    # one lr is at both edges: the sweep went one step past it
+    assert len(tried) == 2 and start in tried and (
+        2 * start in tried or start / 2 in tried)
+    assert summary["best"][name]["final_val_loss"] == min(tried.values())
+    assert summary["best"][name]["final_val_loss"] < np.log(256)
+  info = json.loads((root / "runs" / "tiny-optax-lr0.02-seed0" / "run.json")
+                    .read_text())
+  ours = json.loads((root / "runs" / "tiny-muon-lr0.01-seed0" / "run.json")
+                    .read_text())
+  # optax orthogonalizes the embedding and head too
+  assert info["ns_flops_per_step"] > ours["ns_flops_per_step"] > 0
+  assert set(summary["vs_adam"]) == {"muon", "optax"}
+
+
+def test_sweep_brackets_the_best_lr_and_averages_seeds(tmp_path, monkeypatch):
+  calls = []
+
+  def fake_run(overrides, contestant, lr, seed, root, reuse):
+    calls.append((lr, seed))  # a bowl in log lr with its bottom at 8e-3
+    loss = (np.log(lr / 8e-3)) ** 2 + 0.01 * seed
+    return {"final_val_loss": loss}, tmp_path / f"{lr}-{seed}"
+
+  monkeypatch.setattr(compare_lib, "run_one", fake_run)
+  results, bracketed = compare_lib.sweep([], "muon", (1e-3, 2e-3), (0, 1),
+                                         tmp_path, True)
+  assert bracketed and sorted(results) == [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2]
+  assert min(results, key=lambda lr: results[lr]["final_val_loss"]) == 8e-3
+  assert results[8e-3]["seeds"] == [0.0, 0.01]
+  assert results[8e-3]["final_val_loss"] == pytest.approx(0.005)
+  assert len(calls) == 2 * len(results)  # each lr once per seed
+  monkeypatch.setattr(compare_lib, "MAX_EXTENSIONS", 1)
+  results, bracketed = compare_lib.sweep([], "muon", (1e-4,), (0,), tmp_path,
+                                         True)
+  assert not bracketed and sorted(results) == [1e-4, 2e-4]
 
 
 @pytest.mark.parametrize("mode", ["duplicated", "blockwise"])

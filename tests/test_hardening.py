@@ -155,7 +155,9 @@ class NonFloatLeavesTest(chex.TestCase):
     expected, _ = reference.update({"w": grads["w"]},
                                    reference.init({"w": params["w"]}),
                                    {"w": params["w"]})
-    chex.assert_trees_all_close(updates["w"], expected["w"], atol=1e-7)
+    # jit against eager: XLA fusion moves the Newton–Schulz by ~1e-6
+    chex.assert_trees_all_close(updates["w"], expected["w"], rtol=1e-5,
+                                atol=1e-6)
 
 
 def test_labels_may_freeze_a_leaf_and_must_not_train_integers():

@@ -1,13 +1,21 @@
-"""Muon against AdamW at the same budget, each at its best lr of a small sweep.
+"""Muon, optax.contrib.muon and AdamW at the same budget, each at its best lr.
 
-    python -m examples.flax_lm.compare                 # tiny preset, ~1 minute
+    python -m examples.flax_lm.compare                 # tiny preset, ~3 minutes
     python -m examples.flax_lm.compare preset=small    # the README's table
 
-Writes ``results/<preset>/``: every sweep run's ``metrics.jsonl`` under
-``runs/``, the best run of each optimizer as ``<optimizer>.jsonl``,
-``summary.json`` (the sweep, the best lrs, the step and FLOP ratios) and
-``val_loss.png`` (validation loss against steps, wall-clock and FLOPs, the
-FLOPs counting the model's 6·N·tokens and Muon's Newton–Schulz).
+Three contestants: ``muon`` (optax_muon through ``MuonConfig``), ``optax``
+(``optax.contrib.muon`` as a user calls it: its defaults, the example's lr
+schedule, weight decay and clipping) and ``adam`` (AdamW). Each sweeps its
+own lrs with two seeds (model init and batches) and is ranked by the mean
+final validation loss; a sweep whose best lr is at an edge is extended past it
+(×2 or ÷2) until the best is inside, at most ``MAX_EXTENSIONS`` times.
+
+Writes ``results/<preset>/``: every run's ``metrics.jsonl`` under ``runs/``,
+each contestant's best run (seed 0) as ``<contestant>.jsonl``,
+``summary.json`` (the sweeps, the best lrs, the step and FLOP ratios to AdamW's
+final loss) and ``val_loss.png`` (the seed-mean validation loss against steps,
+wall-clock and FLOPs, the FLOPs counting the model's 6·N·tokens and the
+Newton–Schulz of whichever matrices the contestant orthogonalizes).
 """
 
 import argparse
@@ -16,12 +24,23 @@ import json
 import logging
 import pathlib
 import shutil
+import statistics
 
 from examples.flax_lm import config as config_lib
 from examples.flax_lm import train as train_lib
 
-SWEEPS = {"tiny": {"adam": (3e-3, 1e-2, 2e-2), "muon": (3e-3, 1e-2, 2e-2)},
-          "small": {"adam": (1e-3, 2e-3, 4e-3), "muon": (2e-3, 4e-3)}}
+CONTESTANTS = {
+    "adam": ("optim.optimizer=adam",),
+    "muon": ("optim.optimizer=muon",),
+    "optax": ("optim.optimizer=muon", "train.muon_impl=optax.contrib"),
+}
+LABELS = {"adam": "AdamW", "muon": "optax_muon", "optax": "optax.contrib.muon"}
+SWEEPS = {"tiny": {"adam": (3e-3, 1e-2, 2e-2), "muon": (3e-3, 1e-2, 2e-2),
+                   "optax": (1e-2, 2e-2, 4e-2)},
+          "small": {"adam": (1e-3, 2e-3, 4e-3), "muon": (2e-3, 4e-3, 8e-3),
+                    "optax": (1e-2, 2e-2, 4e-2)}}
+SEEDS = (0, 1)
+MAX_EXTENSIONS = 3
 
 
 def _curve(run_dir: pathlib.Path) -> list[dict]:
@@ -30,19 +49,39 @@ def _curve(run_dir: pathlib.Path) -> list[dict]:
   return [r for r in records if "val_loss" in r]
 
 
-def match_ratios(muon: dict, adam: dict) -> dict:
-  """Steps and FLOPs Muon needs to reach AdamW's final val loss, as ratios."""
+def mean_curve(curves: list[list[dict]]) -> list[dict]:
+  """The seeds' validation curves averaged step by step."""
+  return [{"step": points[0]["step"],
+           "val_loss": statistics.fmean(p["val_loss"] for p in points),
+           "wall_time": statistics.fmean(p.get("wall_time", 0.0)
+                                         for p in points)}
+          for points in zip(*curves)]
+
+
+def match_ratios(run: dict, adam: dict) -> dict:
+  """Steps and FLOPs ``run`` needs to reach AdamW's final val loss, as ratios."""
   target = adam["curve"][-1]["val_loss"]
-  reached = next((r for r in muon["curve"] if r["val_loss"] <= target), None)
+  reached = next((r for r in run["curve"] if r["val_loss"] <= target), None)
   adam_steps = adam["curve"][-1]["step"]
   if reached is None:
-    return {"adam_final_val_loss": target, "muon_reaches_it": False}
+    return {"adam_final_val_loss": target, "reaches_it": False}
   flops = lambda run, steps: steps * (run["info"]["model_flops_per_step"] +
                                       run["info"]["ns_flops_per_step"])
-  return {"adam_final_val_loss": target, "muon_reaches_it": True,
-          "muon_steps": reached["step"], "adam_steps": adam_steps,
+  return {"adam_final_val_loss": target, "reaches_it": True,
+          "steps": reached["step"], "adam_steps": adam_steps,
           "step_ratio": reached["step"] / adam_steps,
-          "flop_ratio": flops(muon, reached["step"]) / flops(adam, adam_steps)}
+          "flop_ratio": flops(run, reached["step"]) / flops(adam, adam_steps)}
+
+
+def next_lr(results: dict) -> float | None:
+  """The lr past the edge the best mean loss sits at, or None if bracketed."""
+  ordered = sorted(results)
+  best = min(results, key=lambda lr: results[lr]["final_val_loss"])
+  if len(ordered) > 1 and best == ordered[0]:
+    return best / 2
+  if best == ordered[-1]:
+    return best * 2
+  return None
 
 
 def plot(runs: dict, path: pathlib.Path) -> None:
@@ -53,7 +92,7 @@ def plot(runs: dict, path: pathlib.Path) -> None:
   for name, run in runs.items():
     curve, info = run["curve"], run["info"]
     per_step = info["model_flops_per_step"] + info["ns_flops_per_step"]
-    label = f"{name} (lr {run['lr']:g})"
+    label = f"{LABELS[name]} (lr {run['lr']:g})"
     steps = [r["step"] for r in curve]
     losses = [r["val_loss"] for r in curve]
     axes[0].plot(steps, losses, label=label)
@@ -64,7 +103,7 @@ def plot(runs: dict, path: pathlib.Path) -> None:
     ax.set_xlabel(xlabel)
     ax.grid(alpha=0.3)
   axes[2].set_xscale("linear")
-  axes[0].set_ylabel("validation loss (nats / byte)")
+  axes[0].set_ylabel(f"validation loss, mean of {len(SEEDS)} seeds (nats/byte)")
   axes[0].legend()
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -75,47 +114,76 @@ def _as_dict(cfg) -> dict:
   return json.loads(json.dumps(dataclasses.asdict(cfg), default=float))
 
 
-def compare(overrides=(), sweeps=None, out="results", reuse=True) -> dict:
-  """Sweeps, picks each optimizer's best lr, writes the results; with
-  ``reuse`` a run whose settings match a finished one is read, not redone."""
+def run_one(overrides, contestant: str, lr: float, seed: int,
+            root: pathlib.Path, reuse: bool) -> tuple[dict, pathlib.Path]:
+  """One training run; with ``reuse`` a finished run of the same settings is
+  read, not redone."""
+  base = config_lib.run_config(overrides)
+  name = f"{base.preset}-{contestant}-lr{lr:g}-seed{seed}"
+  run_dir = root / "runs" / name
+  cfg = config_lib.run_config(list(overrides) + list(CONTESTANTS[contestant]) + [
+      f"optim.lr={lr}", f"train.seed={seed}", f"train.name={name}",
+      f"train.out_dir={run_dir}", "train.progress=false"])
+  finished = run_dir / "final.json"
+  if reuse and finished.exists() and json.loads((run_dir / "config.json")
+                                               .read_text()) == _as_dict(cfg):
+    return json.loads(finished.read_text()), run_dir
+  shutil.rmtree(run_dir, ignore_errors=True)
+  final = train_lib.train(cfg)
+  (run_dir / "config.json").write_text(json.dumps(_as_dict(cfg)))
+  shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # curves suffice
+  print(f"  {name}: val loss {final['final_val_loss']:.4f}", flush=True)
+  return final, run_dir
+
+
+def sweep(overrides, contestant: str, lrs, seeds, root: pathlib.Path,
+          reuse: bool) -> tuple[dict, bool]:
+  """``lr -> {"final_val_loss": seed mean, "seeds": [...], "dirs": [...]}``,
+  extended until the best lr is bracketed; and whether it is."""
+  results = {}
+  pending = sorted(lrs)
+  for _ in range(MAX_EXTENSIONS + 1):
+    for lr in pending:
+      finals = [run_one(overrides, contestant, lr, seed, root, reuse)
+                for seed in seeds]
+      losses = [final["final_val_loss"] for final, _ in finals]
+      results[lr] = {"final_val_loss": statistics.fmean(losses),
+                     "seeds": losses, "dirs": [d for _, d in finals]}
+    extension = next_lr(results)
+    if extension is None:
+      return results, True
+    pending = [extension]
+  return results, next_lr(results) is None
+
+
+def compare(overrides=(), sweeps=None, out="results", reuse=True,
+            seeds=SEEDS) -> dict:
+  """Sweeps each contestant, picks its best lr by the seed-mean final loss,
+  writes the results (see the module docstring) and returns the summary."""
   base = config_lib.run_config(overrides)
   sweeps = sweeps or SWEEPS[base.preset]
   root = pathlib.Path(out) / base.preset
-  best, sweep_table = {}, []
-  for optimizer, lrs in sweeps.items():
-    for lr in lrs:
-      name = f"{base.preset}-{optimizer}-lr{lr:g}"
-      run_dir = root / "runs" / name
-      cfg = config_lib.run_config(list(overrides) + [
-          f"optim.optimizer={optimizer}", f"optim.lr={lr}",
-          f"train.name={name}", f"train.out_dir={run_dir}",
-          "train.progress=false"])
-      finished = run_dir / "final.json"
-      if reuse and finished.exists() and json.loads((run_dir / "config.json")
-                                                   .read_text()) == _as_dict(cfg):
-        final = json.loads(finished.read_text())  # the same run, done before
-      else:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        final = train_lib.train(cfg)
-        (run_dir / "config.json").write_text(json.dumps(_as_dict(cfg)))
-      sweep_table.append({"optimizer": optimizer, "lr": lr,
-                          "final_val_loss": final["final_val_loss"]})
-      print(f"  {name}: val loss {final['final_val_loss']:.4f}", flush=True)
-      if (optimizer not in best or final["final_val_loss"] <
-          best[optimizer]["final_val_loss"]):
-        best[optimizer] = {"lr": lr, "final_val_loss": final["final_val_loss"],
-                           "dir": run_dir}
-  runs = {}
-  for optimizer, run in best.items():
-    shutil.copy(run["dir"] / "metrics.jsonl", root / f"{optimizer}.jsonl")
-    runs[optimizer] = {"lr": run["lr"], "curve": _curve(run["dir"]),
-                       "info": json.loads((run["dir"] / "run.json").read_text())}
+  root.mkdir(parents=True, exist_ok=True)
+  sweep_table, best, runs = [], {}, {}
+  for contestant, lrs in sweeps.items():
+    results, bracketed = sweep(overrides, contestant, lrs, seeds, root, reuse)
+    for lr in sorted(results):
+      sweep_table.append({"optimizer": contestant, "lr": lr,
+                          "final_val_loss": results[lr]["final_val_loss"],
+                          "seeds": results[lr]["seeds"]})
+    lr = min(results, key=lambda lr: results[lr]["final_val_loss"])
+    best[contestant] = {"lr": lr, "bracketed": bracketed,
+                        **{k: results[lr][k] for k in ("final_val_loss",
+                                                       "seeds")}}
+    dirs = results[lr]["dirs"]
+    shutil.copy(dirs[0] / "metrics.jsonl", root / f"{contestant}.jsonl")
+    runs[contestant] = {"lr": lr, "curve": mean_curve([_curve(d) for d in dirs]),
+                        "info": json.loads((dirs[0] / "run.json").read_text())}
   summary = {"preset": base.preset, "steps": base.train.steps,
-             "sweep": sweep_table,
-             "best": {k: {"lr": v["lr"], "final_val_loss": v["final_val_loss"]}
-                      for k, v in best.items()}}
-  if {"muon", "adam"} <= set(runs):
-    summary["muon_vs_adam"] = match_ratios(runs["muon"], runs["adam"])
+             "seeds": list(seeds), "sweep": sweep_table, "best": best}
+  if "adam" in runs:
+    summary["vs_adam"] = {name: match_ratios(run, runs["adam"])
+                          for name, run in runs.items() if name != "adam"}
   (root / "summary.json").write_text(json.dumps(summary, indent=1))
   plot(runs, root / "val_loss.png")
   return summary
@@ -126,31 +194,42 @@ def main(argv=None):
   parser.add_argument("overrides", nargs="*",
                       help="preset=tiny|small and model./train./optim. fields")
   parser.add_argument("--out", default="results")
-  parser.add_argument("--lrs", nargs="+", metavar="OPTIMIZER=LR,LR",
-                      help="the sweep, e.g. adam=2e-3,4e-3 muon=4e-3")
+  parser.add_argument("--lrs", nargs="+", metavar="CONTESTANT=LR,LR",
+                      help="the starting sweeps, e.g. adam=2e-3,4e-3 muon=4e-3 "
+                      f"(contestants: {', '.join(CONTESTANTS)}); those not "
+                      "named are not run")
+  parser.add_argument("--seeds", default=",".join(map(str, SEEDS)),
+                      help="comma-separated seeds, each lr runs with each")
   parser.add_argument("--fresh", action="store_true",
                       help="rerun every run, even finished ones")
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.WARNING)
-  sweeps = None
-  if args.lrs:
-    sweeps = {}
-    for item in args.lrs:
-      name, _, lrs = item.partition("=")
-      if name not in ("adam", "muon") or not lrs:
-        raise ValueError(f"--lrs {item!r}: expected adam=LR,LR or muon=LR,LR")
-      sweeps[name] = tuple(float(lr) for lr in lrs.split(","))
-  summary = compare(args.overrides, sweeps=sweeps, out=args.out,
-                    reuse=not args.fresh)
-  for optimizer, run in summary["best"].items():
-    print(f"{optimizer}: final val loss {run['final_val_loss']:.4f} "
-          f"(best lr {run['lr']:g})")
-  ratios = summary.get("muon_vs_adam", {})
-  if ratios.get("muon_reaches_it"):
-    print(f"muon reaches adam's final val loss in {ratios['step_ratio']:.0%} "
-          f"of its steps and {ratios['flop_ratio']:.0%} of its FLOPs")
-  elif ratios:
-    print("muon does not reach adam's final val loss in this budget")
+  try:
+    sweeps = None
+    if args.lrs:
+      sweeps = {}
+      for item in args.lrs:
+        name, _, lrs = item.partition("=")
+        if name not in CONTESTANTS or not lrs:
+          raise ValueError(f"--lrs {item!r}: expected CONTESTANT=LR,LR with "
+                           f"CONTESTANT in {list(CONTESTANTS)}")
+        sweeps[name] = tuple(float(lr) for lr in lrs.split(","))
+    seeds = tuple(int(seed) for seed in args.seeds.split(","))
+    summary = compare(args.overrides, sweeps=sweeps, out=args.out,
+                      reuse=not args.fresh, seeds=seeds)
+  except ValueError as error:
+    parser.exit(2, f"{parser.prog}: error: {error}\n")
+  for name, run in summary["best"].items():
+    edge = "" if run["bracketed"] else " (at the edge of its sweep)"
+    print(f"{LABELS[name]}: final val loss {run['final_val_loss']:.4f}, mean "
+          f"of {len(run['seeds'])} seeds (best lr {run['lr']:g}{edge})")
+  for name, ratios in summary.get("vs_adam", {}).items():
+    if ratios["reaches_it"]:
+      print(f"{LABELS[name]} reaches AdamW's final val loss in "
+            f"{ratios['step_ratio']:.0%} of its steps and "
+            f"{ratios['flop_ratio']:.0%} of its FLOPs")
+    else:
+      print(f"{LABELS[name]} does not reach AdamW's final val loss")
   return summary
 
 

@@ -13,6 +13,9 @@ from optax_muon.config import MuonConfig, parse_fields, split_overrides
 from examples.flax_lm.model import GPTConfig
 
 
+MUON_IMPLS = ("optax_muon", "optax.contrib")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   name: str | None = None  # default: "<preset>-<optimizer>"
@@ -29,8 +32,14 @@ class TrainConfig:
   max_bytes: int = 8_000_000
   seed: int = 0
   progress: bool = True
+  # "optax.contrib": optax.contrib.muon with its own defaults (the baseline
+  # compare.py runs), for optim.optimizer=muon
+  muon_impl: str = "optax_muon"
 
   def __post_init__(self):
+    if self.muon_impl not in MUON_IMPLS:
+      raise ValueError(f"train.muon_impl={self.muon_impl!r} is not accepted; "
+                       f"accepted values: {list(MUON_IMPLS)}")
     for name in ("steps", "batch_size", "eval_every", "eval_batches",
                  "log_every", "keep_checkpoints", "max_bytes"):
       if getattr(self, name) < 1:
@@ -69,6 +78,13 @@ class RunConfig:
   model: GPTConfig
   train: TrainConfig
   optim: MuonConfig
+
+  def __post_init__(self):
+    if self.train.muon_impl != "optax_muon" and (
+        self.optim.optimizer != "muon" or self.optim.qk_clip):
+      raise ValueError(
+          f"train.muon_impl={self.train.muon_impl!r} needs "
+          "optim.optimizer=muon and no optim.qk_clip")
 
   @property
   def name(self) -> str:

@@ -108,16 +108,31 @@ def max_logits_by_layer(cfg: config_lib.RunConfig, max_logits) -> dict:
   return {f"layer{i}": max_logits[i] for i in range(cfg.model.n_layer)}
 
 
+def optax_contrib_muon(cfg: config_lib.RunConfig, params):
+  """``optax.contrib.muon`` as a user migrating to it writes it: the run's
+  schedule, weight decay and clipping, optax's defaults for the rest (2-D
+  leaves, the embeddings too, to Muon); and its routing, as labels."""
+  clip = ([optax.clip_by_global_norm(cfg.optim.clip_grad)]
+          if cfg.optim.clip_grad > 0 else [])
+  tx = optax.chain(*clip, optax.contrib.muon(
+      learning_rate_schedule(cfg), weight_decay=cfg.optim.weight_decay))
+  labels = jax.tree.map(lambda x: "muon" if x.ndim == 2 else "adam", params)
+  return tx, labels
+
+
 def build(cfg: config_lib.RunConfig, mesh=None):
   """Model graph, params, optimizer, its state, and the jitted step/eval."""
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     model = GPT(cfg.model, nnx.Rngs(cfg.train.seed))
   graphdef, params = nnx.split(model)
   specs = nnx.get_partition_spec(params) if mesh is not None else None
-  tx = cfg.optim.build(learning_rate_schedule(cfg), params=params,
-                       split_qkv=split_qkv_of(cfg), mesh=mesh, specs=specs,
-                       attention=attention_of(cfg))
-  labels = om.default_labels(params)
+  if cfg.train.muon_impl == "optax.contrib":
+    tx, labels = optax_contrib_muon(cfg, params)
+  else:
+    tx = cfg.optim.build(learning_rate_schedule(cfg), params=params,
+                         split_qkv=split_qkv_of(cfg), mesh=mesh, specs=specs,
+                         attention=attention_of(cfg))
+    labels = om.default_labels(params)
   muon_leaves = {key: path for key, (path, label) in named_leaves(labels).items()
                  if label == "muon" and cfg.optim.optimizer == "muon"}
 
@@ -172,7 +187,8 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False,
   out.mkdir(parents=True, exist_ok=True)
   corpus = ByteCorpus(cfg.train.data, max_bytes=cfg.train.max_bytes)
   _, params, _, opt_state, train_step, eval_loss, labels = build(cfg, mesh)
-  if cfg.optim.optimizer == "muon" and jax.process_index() == 0:
+  if (cfg.optim.optimizer == "muon" and cfg.train.muon_impl == "optax_muon"
+      and jax.process_index() == 0):
     split = split_qkv_of(cfg) if cfg.optim.muon_split_qkv else None
     logging.getLogger("flax_lm").info(
         "which matrices Muon sees:\n%s", om.describe(params, split_qkv=split))
@@ -198,7 +214,9 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False,
                           else "")
   schedule = learning_rate_schedule(cfg)
   tokens_per_step = cfg.train.batch_size * cfg.model.block_size
-  ns_flops = (newton_schulz_flops(params, labels, cfg.optim.muon_num_ns_steps)
+  ns_steps = (5 if cfg.train.muon_impl == "optax.contrib"
+              else cfg.optim.muon_num_ns_steps)
+  ns_flops = (newton_schulz_flops(params, labels, ns_steps)
               if cfg.optim.optimizer == "muon" else 0.0)
   model_flops = 6 * sum(x.size for x in jax.tree.leaves(params)) * tokens_per_step
   (out / "run.json").write_text(json.dumps({
