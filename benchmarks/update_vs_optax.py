@@ -146,6 +146,9 @@ def main():
                                          jax.tree.leaves(
                                              outputs["optax.contrib.muon"]))),
           "compat_over_optax": times["compat"] / times["optax.contrib.muon"],
+          # the floor of any standard-form update of this tree, over optax's
+          "matmuls_alone_over_optax": (times["matmuls_alone"] /
+                                       times["optax.contrib.muon"]),
           "ours_over_optax": times["optax_muon"] / times["optax.contrib.muon"],
           "ours_gram_over_optax": (times["optax_muon_gram"] /
                                    times["optax.contrib.muon"]),

@@ -111,7 +111,10 @@ def plot(runs: dict, path: pathlib.Path) -> None:
 
 
 def _as_dict(cfg) -> dict:
-  return json.loads(json.dumps(dataclasses.asdict(cfg), default=float))
+  """The run's settings, without where it was written (results move)."""
+  settings = json.loads(json.dumps(dataclasses.asdict(cfg), default=float))
+  settings["train"].pop("out_dir")
+  return settings
 
 
 def run_one(overrides, contestant: str, lr: float, seed: int,
@@ -137,12 +140,13 @@ def run_one(overrides, contestant: str, lr: float, seed: int,
 
 
 def sweep(overrides, contestant: str, lrs, seeds, root: pathlib.Path,
-          reuse: bool) -> tuple[dict, bool]:
+          reuse: bool, max_extensions: int | None = None) -> tuple[dict, bool]:
   """``lr -> {"final_val_loss": seed mean, "seeds": [...], "dirs": [...]}``,
   extended until the best lr is bracketed; and whether it is."""
   results = {}
   pending = sorted(lrs)
-  for _ in range(MAX_EXTENSIONS + 1):
+  extensions = MAX_EXTENSIONS if max_extensions is None else max_extensions
+  for _ in range(extensions + 1):
     for lr in pending:
       finals = [run_one(overrides, contestant, lr, seed, root, reuse)
                 for seed in seeds]
@@ -157,7 +161,7 @@ def sweep(overrides, contestant: str, lrs, seeds, root: pathlib.Path,
 
 
 def compare(overrides=(), sweeps=None, out="results", reuse=True,
-            seeds=SEEDS) -> dict:
+            seeds=SEEDS, max_extensions: int | None = None) -> dict:
   """Sweeps each contestant, picks its best lr by the seed-mean final loss,
   writes the results (see the module docstring) and returns the summary."""
   base = config_lib.run_config(overrides)
@@ -166,7 +170,8 @@ def compare(overrides=(), sweeps=None, out="results", reuse=True,
   root.mkdir(parents=True, exist_ok=True)
   sweep_table, best, runs = [], {}, {}
   for contestant, lrs in sweeps.items():
-    results, bracketed = sweep(overrides, contestant, lrs, seeds, root, reuse)
+    results, bracketed = sweep(overrides, contestant, lrs, seeds, root, reuse,
+                               max_extensions)
     for lr in sorted(results):
       sweep_table.append({"optimizer": contestant, "lr": lr,
                           "final_val_loss": results[lr]["final_val_loss"],
@@ -200,6 +205,8 @@ def main(argv=None):
                       "named are not run")
   parser.add_argument("--seeds", default=",".join(map(str, SEEDS)),
                       help="comma-separated seeds, each lr runs with each")
+  parser.add_argument("--max-extensions", type=int, default=MAX_EXTENSIONS,
+                      help="how many times a sweep may extend past its edge")
   parser.add_argument("--fresh", action="store_true",
                       help="rerun every run, even finished ones")
   args = parser.parse_args(argv)
@@ -216,7 +223,8 @@ def main(argv=None):
         sweeps[name] = tuple(float(lr) for lr in lrs.split(","))
     seeds = tuple(int(seed) for seed in args.seeds.split(","))
     summary = compare(args.overrides, sweeps=sweeps, out=args.out,
-                      reuse=not args.fresh, seeds=seeds)
+                      reuse=not args.fresh, seeds=seeds,
+                      max_extensions=args.max_extensions)
   except ValueError as error:
     parser.exit(2, f"{parser.prog}: error: {error}\n")
   for name, run in summary["best"].items():
