@@ -15,10 +15,12 @@ handled by ``TensorParallel.mode`` (Megatron-Core's ``muon_tp_mode``):
   scalar max and norm of the normalization). When the sharded side is the
   short one the Gram matrix would be the large one, so such a leaf is
   gathered as in ``duplicated`` (one all-gather moves less);
-* ``allgather``: same-shape leaves are stacked and re-laid out with one
-  all-to-all so that each rank holds whole matrices, orthogonalizes its share,
-  and a second all-to-all puts them back. A group with fewer leaves than
-  ranks falls back to ``duplicated``.
+* ``allgather``: leaves of the same shape once turned wide are stacked and
+  re-laid out with one all-to-all so that each rank holds whole matrices,
+  orthogonalizes its share, and a second all-to-all puts them back. A group
+  with fewer leaves than ranks is padded with zero matrices when that moves
+  fewer bytes than gathering each leaf (3 or more leaves), else it is
+  ``duplicated`` (see ``shares_out``).
 
 ``distribute_over="data"`` (Megatron's layer-wise distributed optimizer)
 further splits each group of same-shape matrices that is replicated over that
@@ -154,6 +156,56 @@ def _own_chunk(x, axis_name, dim):
       x, jax.lax.axis_index(axis_name) * size, size, axis=dim)
 
 
+def shares_out(members: int, ranks: int) -> bool:
+  """Whether ``allgather`` sends a group through two all-to-alls.
+
+  A group of ``k`` same-shape matrices is padded with zero matrices to a
+  multiple ``P`` of the ``N`` ranks; per device, its two all-to-alls move
+  ``2·P·S(N−1)/N²`` bytes for matrices of ``S`` bytes, all-gathering each
+  member (``duplicated``) ``k·S(N−1)/N``, and each rank orthogonalizes
+  ``P/N`` matrices instead of ``k``. So ``k ≥ N`` always shares out (no more
+  bytes, less work), and a smaller group when it moves fewer bytes: ``2 < k``,
+  three or more members.
+  """
+  return members >= min(ranks, 3)
+
+
+@dataclasses.dataclass
+class _WideMember:
+  """A leaf of an ``allgather`` group, its axes ordered ``(batch, rows,
+  columns)`` with ``rows ≤ columns``, so that leaves whose matrices are each
+  other's transposes (an MLP's up and down kernels) stack together."""
+  x: jax.Array
+  view: layout.MatrixView
+  tp_dim: int
+  finish: Callable
+  replicated: bool
+
+  def __post_init__(self):
+    v = self.view
+    rows, cols = v.reduction_axes, v.output_axes
+    if v.fan_in > v.fan_out:
+      rows, cols = cols, rows
+    self.order = v.batch_axes + rows + cols
+    self.counts = (len(v.batch_axes), len(rows))
+    self.wide = jnp.transpose(self.x, self.order)
+    self.wide_tp_dim = self.order.index(self.tp_dim)
+
+  @property
+  def key(self):
+    return (self.wide.shape, self.wide.dtype, self.wide_tp_dim, self.counts)
+
+  def wide_view(self, shape) -> layout.MatrixView:
+    batch, rows = self.counts
+    return layout.MatrixView(tuple(shape), tuple(range(batch)),
+                             tuple(range(batch, batch + rows)),
+                             tuple(range(batch + rows, len(shape))))
+
+  def unwide(self, wide: jax.Array) -> jax.Array:
+    return jnp.transpose(wide, tuple(sorted(range(len(self.order)),
+                                            key=self.order.__getitem__)))
+
+
 @dataclasses.dataclass
 class _Job:
   """Matrices to orthogonalize locally and how to put their result back."""
@@ -240,32 +292,33 @@ def orthogonalize_sharded(leaves, views, tp: TensorParallel, specs,
         finish(local.from_matrices([jnp.swapaxes(m, -1, -2) if fan_in_sharded
                                     else m for m in out]))
       else:
-        key = (x.shape, x.dtype, tp_dim, view)
-        allgather_groups.setdefault(key, []).append((x, finish, replicated))
+        member = _WideMember(x, view, tp_dim, finish, replicated)
+        allgather_groups.setdefault(member.key, []).append(member)
 
-    for (shape, _, tp_dim, view), members in allgather_groups.items():
-      if len(members) < tp.size:  # too few to share out: duplicate instead
-        jobs += [duplicated_job(x, view, tp_dim, finish, replicated)
-                 for x, finish, replicated in members]
+    for members in allgather_groups.values():
+      if not shares_out(len(members), tp.size):
+        jobs += [duplicated_job(m.x, m.view, m.tp_dim, m.finish, m.replicated)
+                 for m in members]
         continue
       count = len(members)
       padded = -(-count // tp.size) * tp.size
-      stack = jnp.stack([m[0] for m in members] +
-                        [jnp.zeros(shape, members[0][0].dtype)] * (padded - count))
-      whole = jax.lax.all_to_all(stack, tp.axis, 0, tp_dim + 1, tiled=True)
-      full_view = local_view(view, whole.shape[1:])
+      first = members[0]
+      stack = jnp.stack([m.wide for m in members] + [jnp.zeros_like(
+          first.wide)] * (padded - count))
+      wide_dim = first.wide_tp_dim + 1  # the stack axis comes first
+      whole = jax.lax.all_to_all(stack, tp.axis, 0, wide_dim, tiled=True)
+      full_view = first.wide_view(whole.shape[1:])
       pieces = [full_view.to_matrices(item) for item in whole]
 
-      def put_back(ms, pieces=pieces, v=full_view, d=tp_dim, members=members,
-                   count=count):
+      def put_back(ms, pieces=pieces, v=full_view, d=wide_dim, members=members):
         ms = iter(ms)
         done = jnp.stack([v.from_matrices([next(ms) for _ in p]) for p in pieces])
-        back = jax.lax.all_to_all(done, tp.axis, d + 1, 0, tiled=True)
-        for i in range(count):
-          members[i][1](back[i])
+        back = jax.lax.all_to_all(done, tp.axis, d, 0, tiled=True)
+        for member, wide in zip(members, back):
+          member.finish(member.unwide(wide))
 
       jobs.append(_Job([m for p in pieces for m in p], put_back,
-                       all(m[2] for m in members)))
+                       all(m.replicated for m in members)))
 
     # one grouped Newton–Schulz for everything that is local now
     for replicated in (True, False):

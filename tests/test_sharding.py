@@ -2,6 +2,7 @@
 the collectives they compile to, shardings kept, and the data-parallel split."""
 
 import re
+import sys
 
 import chex
 import jax
@@ -13,6 +14,10 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import optax_muon as om
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _hlo  # noqa: E402  (the benchmarks' HLO byte count)
 
 SPLIT = om.SplitQKV(num_heads=8, num_kv_heads=8, head_dim=4)  # 8 groups of 12
 MESHES = [(8,), (2, 4), (4, 2)]
@@ -110,7 +115,9 @@ def test_allgather_all_to_all_path_equals_the_unsharded_update(mesh_shape):
   chex.assert_trees_all_close(updates, expected, atol=1e-5)
   _, counts = _collectives(om.orthogonalize(sharding=om.TensorParallel(
       mesh, mode="allgather")), params, specs, mesh)
-  assert _only(counts, all_to_all=4)  # two per group: no fallback
+  # one group of 17 (the row-parallel matrices are the column-parallel ones'
+  # transposes, stacked together once turned wide): two all-to-alls
+  assert _only(counts, all_to_all=2)
 
 
 @pytest.mark.parametrize("mode", ["blockwise", "duplicated", "distributed",
@@ -188,10 +195,57 @@ def test_allgather_uses_all_to_all_and_no_full_gather():
   tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="allgather"))
   _, counts = _collectives(tx, tree, {k: P(None, "model") for k in tree}, mesh)
   assert _only(counts, all_to_all=2)
-  # fewer matrices than ranks: falls back to duplicated (one gather a leaf)
-  small = {f"w{i}": jnp.ones((32, 64)) for i in range(3)}
-  _, counts = _collectives(tx, small, {k: P(None, "model") for k in small}, mesh)
-  assert _only(counts, all_gather=3)
+  # three leaves on four ranks: padded with a zero matrix, still 2 all-to-alls
+  three = {f"w{i}": jnp.ones((32, 64)) for i in range(3)}
+  _, counts = _collectives(tx, three, {k: P(None, "model") for k in three}, mesh)
+  assert _only(counts, all_to_all=2)
+  # two: the all-to-alls would move as much as gathering each, so duplicated
+  two = {f"w{i}": jnp.ones((32, 64)) for i in range(2)}
+  _, counts = _collectives(tx, two, {k: P(None, "model") for k in two}, mesh)
+  assert _only(counts, all_gather=2)
+
+
+@pytest.mark.parametrize("count,ranks,shares", [
+    (1, 4, False), (2, 4, False), (3, 4, True), (3, 8, True), (2, 2, True),
+    (9, 8, True)])
+def test_allgather_shares_out_when_it_moves_fewer_bytes(count, ranks, shares):
+  assert om.sharding.shares_out(count, ranks) is shares
+
+
+def test_allgather_pads_four_leaves_over_eight_ranks_at_half_the_bytes():
+  mesh = _mesh((8,))
+  params = {f"w{i}": jax.random.normal(jax.random.key(i), (32, 64))
+            for i in range(4)}
+  specs = {k: P(None, "model") for k in params}
+  moved = {}
+  for mode in ("duplicated", "allgather"):
+    tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode=mode))
+    hlo, counts = _collectives(tx, params, specs, mesh)
+    moved[mode] = sum(_hlo.collective_bytes(hlo).values())
+    out, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
+    chex.assert_trees_all_close(out, jax.tree.map(om.newton_schulz, params),
+                                atol=1e-5)
+  assert _only(counts, all_to_all=2)
+  # 2 leaf-sized transfers against 4
+  assert moved["allgather"] <= 0.55 * moved["duplicated"]
+
+
+def test_allgather_stacks_transposed_shapes_together():
+  # an MLP's up (32×128, columns split) and down (128×32, rows split) kernels
+  # are each other's transposes: one group of four, not two groups of two
+  mesh = _mesh((2, 4))
+  params = {f"up{i}": jax.random.normal(jax.random.key(i), (32, 128))
+            for i in range(2)}
+  params.update({f"down{i}": jax.random.normal(jax.random.key(5 + i),
+                                               (128, 32)) for i in range(2)})
+  specs = {k: P(None, "model") if k.startswith("up") else P("model", None)
+           for k in params}
+  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="allgather"))
+  _, counts = _collectives(tx, params, specs, mesh)
+  assert _only(counts, all_to_all=2)
+  out, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
+  chex.assert_trees_all_close(out, jax.tree.map(om.newton_schulz, params),
+                              atol=1e-5)
 
 
 def test_fsdp_axis_is_gathered_for_the_matrix_and_resplit():
