@@ -1,6 +1,7 @@
 """Bytes moved by collectives per tensor-parallel mode, against optax under GSPMD.
 
     python benchmarks/sharding.py [--quick]
+    python benchmarks/sharding.py --plan [--quick]   # docs/scaling.md's table
 
 On 8 simulated CPU devices (a (2, 4) data × model mesh), a tree of kernels
 sharded on their input dim (row-parallel) or output dim (column-parallel) gets
@@ -9,6 +10,14 @@ one jitted Muon update from each ``muon_tp_mode`` and from
 collectives). Bytes are read from the compiled HLO: each collective's result
 size, times the trip count of the loop it sits in. Step times are medians of
 interleaved rounds.
+
+``--plan`` prints the planning table of docs/scaling.md: for one decoder layer
+of a 1B, 8B and 70B model (Megatron's tensor-parallel layout: QKV and the
+MLP's gate and up column-parallel, the attention output and down projection
+row-parallel) at TP 4 and 8, each mode's and optax's (GSPMD) collective
+bytes per device for one optimizer step, read from the compiled HLO (compiled
+from shapes alone, nothing is allocated), times the layer count; beside them
+the bytes Megatron-Core's own algorithm for the mode moves, from its formulas.
 """
 
 import os
@@ -26,8 +35,92 @@ import optax_muon as om  # noqa: E402
 from _hlo import collective_bytes  # noqa: E402
 from _timing import emit, interleaved, quick_flag  # noqa: E402
 
+# (d_model, d_ffn, query heads, kv heads, head dim, layers)
+DECODERS = {"1B": (2048, 8192, 32, 8, 64, 16),
+            "8B": (4096, 14336, 32, 8, 128, 32),
+            "70B": (8192, 28672, 64, 8, 128, 80)}
+NS_STEPS = 5
+
+
+def layer_shapes(d, ffn, heads, kv_heads, head_dim):
+  """One layer's Muon matrices, each with its tensor-parallel spec."""
+  qkv = (heads + 2 * kv_heads) * head_dim
+  return {"qkv": ((d, qkv), P(None, "model")),
+          "out": ((heads * head_dim, d), P("model", None)),
+          "gate": ((d, ffn), P(None, "model")),
+          "up": ((d, ffn), P(None, "model")),
+          "down": ((ffn, d), P("model", None))}
+
+
+def expected_bytes(shapes, mode: str, tp: int) -> float:
+  """Collective result bytes per device that each mode's algorithm implies
+  (Megatron-Core's for ``duplicated`` and ``distributed``), in the HLO's
+  convention: an all-gather counts the whole gathered matrix, an all-reduce
+  its array, an all-to-all its result."""
+  if mode == "duplicated":  # each sharded matrix gathered whole
+    return sum(4 * a * b for (a, b), _ in shapes.values())
+  if mode == "distributed":  # X Xᵀ of the short side, all-reduced a step
+    return sum(NS_STEPS * 4 * min(a, b) ** 2 for (a, b), _ in shapes.values())
+  if mode == "allgather":  # same wide shape: one group; see shares_out
+    groups = {}
+    for (a, b), _ in shapes.values():
+      groups.setdefault((min(a, b), max(a, b)), []).append(4 * a * b)
+    total = 0.0
+    for sizes in groups.values():
+      if om.sharding.shares_out(len(sizes), tp):
+        padded = -(-len(sizes) // tp) * tp
+        total += 2 * padded * sizes[0] / tp  # two all-to-alls of the stack
+      else:
+        total += sum(sizes)  # gathered as in duplicated
+    return total
+  return 0.0
+
+
+def plan(quick: bool):
+  """docs/scaling.md's planning table, as JSON lines and a markdown table."""
+  rows = []
+  models = {"tiny": (256, 1024, 8, 4, 32, 2)} if quick else DECODERS
+  for name, (d, ffn, heads, kv, hd, layers) in models.items():
+    for tp in (4, 8):
+      mesh = jax.make_mesh((8 // tp, tp), ("data", "model"),
+                           axis_types=(AxisType.Auto,) * 2)
+      shapes = layer_shapes(d, ffn, heads, kv, hd)
+      specs = {k: spec for k, (_, spec) in shapes.items()}
+      abstract = {k: jax.ShapeDtypeStruct(shape, np.float32,
+                                          sharding=NamedSharding(mesh, spec))
+                  for k, (shape, spec) in shapes.items()}
+      labels = {k: "muon" for k in shapes}
+      row = {"model": name, "tp": tp, "layers": layers, "bytes": {},
+             "expected_bytes": {}}
+      optimizers = {mode: om.muon(0.02, labels=labels, sharding=om.TensorParallel(
+          mesh, mode=mode, specs=specs)) for mode in om.sharding.MODES}
+      optimizers["optax.contrib.muon"] = optax.contrib.muon(0.02)
+      for mode, tx in optimizers.items():
+        state = jax.eval_shape(tx.init, abstract)
+        hlo = jax.jit(tx.update).lower(abstract, state, abstract).compile(
+        ).as_text()
+        row["bytes"][mode] = layers * sum(collective_bytes(hlo).values())
+        if mode in om.sharding.MODES:
+          row["expected_bytes"][mode] = layers * expected_bytes(shapes, mode, tp)
+      emit({"benchmark": "sharding_plan", **row})
+      rows.append(row)
+  gib = lambda x: f"{x / 2 ** 30:.2f}"
+  print("| model | TP | " + " | ".join(
+      f"{m} (expected)" for m in om.sharding.MODES) + " | optax.contrib.muon "
+        "(GSPMD) |")
+  print("|---|---|" + "---|" * (len(om.sharding.MODES) + 1))
+  for row in rows:
+    cells = [f"{gib(row['bytes'][m])} ({gib(row['expected_bytes'][m])})"
+             for m in om.sharding.MODES]
+    print(f"| {row['model']} | {row['tp']} | " + " | ".join(cells) +
+          f" | {gib(row['bytes']['optax.contrib.muon'])} |")
+
+
 def main():
   quick = quick_flag()
+  if "--plan" in sys.argv[1:]:
+    plan(quick)
+    return
   mesh = jax.make_mesh((2, 4), ("data", "model"),
                        axis_types=(AxisType.Auto,) * 2)
   size = (128, 512) if quick else (512, 2048)

@@ -10,7 +10,6 @@ import logging
 
 import jax
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -67,6 +66,12 @@ def update(mesh_, mode, **extra):
   return gathered(updates)
 
 
+def everything():
+  """All of the below in one launch (each launch costs seconds)."""
+  return {"tp_modes": tp_modes(), "zero1": zero1_two_steps(),
+          "log_records": logging_process()}
+
+
 def tp_modes():
   """Every mode on both layouts, and the data-axis split of the work."""
   out = {}
@@ -108,13 +113,3 @@ def logging_process():
   logging.getLogger("optax_muon").setLevel(logging.INFO)
   om.muon(0.02, match_adamw_update_rms=True, adam_b1=0.83)
   return len(records)
-
-
-def reference_updates():
-  """The single-process references for ``tp_modes`` (8 local devices)."""
-  out = {}
-  params, specs = tree()
-  for layout in ("data_across", "model_across"):
-    for mode in MODES:
-      out[(layout, mode)] = update(mesh(layout), mode)
-  return out, optax.tree.cast(params, np.float32)

@@ -66,3 +66,43 @@ def test_sharding_benchmark_prints_bytes_per_mode():
   records = _check("sharding", result.stdout.splitlines())
   for record in records:
     assert record["total_bytes"]["blockwise"] == 0
+
+
+def test_sharding_plan_measures_what_each_mode_should_move():
+  result = subprocess.run([sys.executable, str(ROOT / "benchmarks" /
+                                               "sharding.py"), "--plan",
+                           "--quick"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600, env=_env())
+  assert result.returncode == 0, result.stderr[-2000:]
+  rows = [json.loads(l) for l in result.stdout.splitlines()
+          if l.startswith("{")]
+  assert {r["tp"] for r in rows} == {4, 8}
+  for row in rows:
+    measured, expected = row["bytes"], row["expected_bytes"]
+    assert measured["blockwise"] == 0
+    for mode in ("duplicated", "distributed", "allgather"):
+      # the compiled collectives are the algorithm's, up to the norm scalars
+      assert abs(measured[mode] - expected[mode]) <= 1e-4 * expected[mode], (
+          mode, row)
+    assert measured["optax.contrib.muon"] > measured["duplicated"]
+  assert "| tiny | 4 |" in result.stdout
+
+
+def test_scaling_doc_table_is_the_plan_commands(monkeypatch):
+  # the bracketed figures are the formulas' (no compile needed), and the
+  # measured ones beside them must agree, as the --plan test checks on a
+  # small layer
+  monkeypatch.setenv("XLA_FLAGS", "")
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import sharding as bench  # pylint: disable=import-outside-toplevel
+  text = (ROOT / "docs" / "scaling.md").read_text()
+  gib = lambda x: f"{x / 2 ** 30:.2f}"
+  for name, (d, ffn, heads, kv, hd, layers) in bench.DECODERS.items():
+    for tp in (4, 8):
+      shapes = bench.layer_shapes(d, ffn, heads, kv, hd)
+      cells = [f"({gib(layers * bench.expected_bytes(shapes, m, tp))})"
+               for m in ("blockwise", "duplicated", "distributed", "allgather")]
+      row = next(l for l in text.splitlines()
+                 if l.startswith(f"| {name} | {tp} |"))
+      for cell in cells:
+        assert cell in row, (name, tp, cell, row)

@@ -10,17 +10,34 @@ import logging
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 _logger = logging.getLogger("flax_lm")
+
+
+def to_host(x) -> np.ndarray:
+  """The whole array on this host; across processes, every process gathers
+  it (each holds only its shards), so every process must call this."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+def place(array: np.ndarray, sharding) -> jax.Array:
+  """A host array (the same on every process) as a global array: each
+  process puts only the shards its devices hold."""
+  return jax.make_array_from_callback(np.shape(array), sharding,
+                                      lambda index: array[index])
 
 
 def tree_sha256(tree) -> str:
   """SHA-256 over every leaf's bytes in ``jax.tree`` order."""
   digest = hashlib.sha256()
   for leaf in jax.tree.leaves(tree):
-    array = np.asarray(leaf)
+    array = to_host(leaf)
     digest.update(str((array.shape, array.dtype.str)).encode())
     digest.update(np.ascontiguousarray(array).tobytes())
   return digest.hexdigest()
@@ -39,7 +56,7 @@ class Checkpointer:
             max_to_keep=keep, enable_async_checkpointing=False))
 
   def save(self, step: int, state, meta: dict) -> None:
-    leaves = [np.asarray(x) for x in jax.tree.leaves(state)]
+    leaves = [to_host(x) for x in jax.tree.leaves(state)]
     meta = dict(meta, step=step, sha256=tree_sha256(leaves))
     self._manager.save(step, args=ocp.args.Composite(
         arrays=ocp.args.StandardSave(leaves), meta=ocp.args.JsonSave(meta)),
@@ -57,8 +74,7 @@ class Checkpointer:
       ValueError: there are checkpoints but none of them restores.
     """
     leaves, treedef = jax.tree.flatten(like)
-    target = [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
-              for x in leaves]
+    target = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
     for step in sorted(self._manager.all_steps(), reverse=True):
       try:
         restored = self._manager.restore(step, args=ocp.args.Composite(
@@ -71,6 +87,10 @@ class Checkpointer:
         _logger.warning("checkpoint %d in %s is unreadable or corrupted (%s); "
                         "trying the previous one", step, self.directory, error)
         continue
+      # each array back where ``like``'s is: on its sharding if it was put
+      # there, else uncommitted (jit then places it, as the fresh state's)
+      arrays = [place(a, x.sharding) if getattr(x, "committed", False)
+                else jnp.asarray(a) for a, x in zip(arrays, leaves)]
       return jax.tree.unflatten(treedef, arrays), meta
     if self._manager.all_steps():
       raise ValueError(f"no checkpoint in {self.directory} restores (steps "

@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import math
+import os
 import pathlib
 import re
 import sys
@@ -196,9 +197,15 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False,
     data_sharding = jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(
             "data" if "data" in mesh.axis_names else None))
-    put = lambda batch: tuple(jax.device_put(x, data_sharding) for x in batch)
+    # every process reads the same global batch and puts only its own rows
+    put = lambda batch: tuple(checkpoint_lib.place(x, data_sharding)
+                              for x in batch)
+  elif jax.process_count() > 1:
+    raise ValueError(f"a run over {jax.process_count()} processes needs "
+                     "--mesh spanning their devices, e.g. --mesh data=2,model=4")
   else:
     put = lambda batch: batch
+  writer = jax.process_index() == 0  # the others compute, they do not write
   checkpoints = checkpoint_lib.Checkpointer(out / "checkpoints",
                                             cfg.train.keep_checkpoints)
   start = 0
@@ -209,9 +216,10 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False,
       (params, opt_state), meta = restored
       start = meta["step"]
   # a resumed run drops what was logged after its checkpoint
-  metrics_path.write_text("".join(
-      line + "\n" for line in _read_metrics(metrics_path, start)) if start
-                          else "")
+  if writer:
+    metrics_path.write_text("".join(
+        line + "\n" for line in _read_metrics(metrics_path, start)) if start
+                            else "")
   schedule = learning_rate_schedule(cfg)
   tokens_per_step = cfg.train.batch_size * cfg.model.block_size
   ns_steps = (5 if cfg.train.muon_impl == "optax.contrib"
@@ -219,16 +227,18 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False,
   ns_flops = (newton_schulz_flops(params, labels, ns_steps)
               if cfg.optim.optimizer == "muon" else 0.0)
   model_flops = 6 * sum(x.size for x in jax.tree.leaves(params)) * tokens_per_step
-  (out / "run.json").write_text(json.dumps({
-      "name": cfg.name, "preset": cfg.preset, "optimizer": cfg.optim.optimizer,
-      "model_flops_per_step": model_flops, "ns_flops_per_step": ns_flops,
-      "params": int(sum(x.size for x in jax.tree.leaves(params)))}, indent=1))
+  if writer:
+    (out / "run.json").write_text(json.dumps({
+        "name": cfg.name, "preset": cfg.preset,
+        "optimizer": cfg.optim.optimizer, "processes": jax.process_count(),
+        "model_flops_per_step": model_flops, "ns_flops_per_step": ns_flops,
+        "params": int(sum(x.size for x in jax.tree.leaves(params)))}, indent=1))
   val_loss = None
   bar = tqdm(range(start, cfg.train.steps), initial=start,
-             total=cfg.train.steps, disable=not cfg.train.progress,
+             total=cfg.train.steps, disable=not (cfg.train.progress and writer),
              desc=cfg.name, file=sys.stdout, mininterval=2.0)
   wall = 0.0
-  with metrics_path.open("a") as log:
+  with (metrics_path.open("a") if writer else contextlib.nullcontext()) as log:
     for step in bar:
       inputs, targets = put(corpus.batch("train", step, cfg.train.batch_size,
                                          cfg.model.block_size, cfg.train.seed))
@@ -247,7 +257,7 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False,
       if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
         val_loss = evaluate(eval_loss, params, corpus, cfg)
         record = (record or {"step": done, **metrics}) | {"val_loss": val_loss}
-      if record:
+      if record and writer:
         log.write(json.dumps(record) + "\n")
         log.flush()
       bar.set_postfix(loss=f"{metrics['train_loss']:.3f}",
@@ -261,8 +271,42 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False,
   final = {"optimizer": cfg.optim.optimizer, "steps": cfg.train.steps,
            "final_val_loss": val_loss,
            "params_sha256": checkpoint_lib.tree_sha256(params)}
-  (out / "final.json").write_text(json.dumps(final, indent=1))
+  if writer:
+    (out / "final.json").write_text(json.dumps(final, indent=1))
   return final
+
+
+# set by cluster schedulers that start one process per host (SLURM, Open MPI,
+# MPICH/PMI) or by whoever sets JAX's own variable
+CLUSTER_VARIABLES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+                     "JAX_COORDINATOR_ADDRESS")
+
+
+def start_processes(num_processes, process_id, coordinator,
+                    environ=os.environ) -> bool:
+  """Joins this process to a multi-process run; whether it did.
+
+  With the three flags, ``jax.distributed.initialize`` gets them (CPU devices
+  talk through gloo). Without them, it is called with no arguments, so that
+  JAX reads the cluster's settings, only where a scheduler says there is more
+  than one process; elsewhere the run is one process.
+  """
+  given = [num_processes, process_id, coordinator]
+  if any(v is not None for v in given):
+    if any(v is None for v in given):
+      raise ValueError("--num-processes, --process-id and --coordinator go "
+                       "together (or none of them: a cluster's own settings)")
+    if not 0 <= process_id < num_processes:
+      raise ValueError(f"--process-id={process_id} must be in "
+                       f"[0, --num-processes={num_processes})")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+    return True
+  if any(environ.get(name, "1") not in ("", "1") for name in CLUSTER_VARIABLES):
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize()
+    return True
+  return False
 
 
 def main(argv=None):
@@ -276,7 +320,13 @@ def main(argv=None):
   parser.add_argument("--data", help="a text file or folder to train on")
   parser.add_argument("--mesh", help="e.g. data=2,model=4: shard the params "
                       "(tensor parallel over model, batches over data)")
-  args = parser.parse_args(argv)
+  parser.add_argument("--num-processes", type=int,
+                      help="processes of a multi-process run (with "
+                      "--process-id and --coordinator; see launch_local.py)")
+  parser.add_argument("--process-id", type=int, help="this process, from 0")
+  parser.add_argument("--coordinator", help="HOST:PORT of process 0")
+  # flags may come between the overrides: "... --resume train.steps=9"
+  args = parser.parse_intermixed_args(argv)
   # Log to stdout, ours at INFO and libraries' (orbax's absl) at ERROR, so
   # that stderr carries nothing but a failure's one line.
   logging.basicConfig(stream=sys.stdout, level=logging.WARNING,
@@ -289,13 +339,15 @@ def main(argv=None):
     overrides.append(f"train.data={args.data}")
   try:
     cfg = config_lib.run_config(overrides)
+    start_processes(args.num_processes, args.process_id, args.coordinator)
     mesh = parse_mesh(args.mesh) if args.mesh else None
     final = train(cfg, resume=args.resume, mesh=mesh)
   except (ValueError, TypeError, OSError) as error:
     # a bad setting, path or checkpoint: one line, not a traceback
     parser.exit(2, f"{parser.prog}: error: {error}\n")
-  print(f"{cfg.name}: final val loss {final['final_val_loss']:.4f} "
-        f"after {final['steps']} steps ({cfg.out_dir})")
+  if jax.process_index() == 0:
+    print(f"{cfg.name}: final val loss {final['final_val_loss']:.4f} "
+          f"after {final['steps']} steps ({cfg.out_dir})")
   return final
 
 if __name__ == "__main__":
