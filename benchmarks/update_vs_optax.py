@@ -133,7 +133,7 @@ def main():
     square = jax.random.normal(jax.random.key(2), (side, side))
     candidates["matmul"] = (jax.jit(lambda a: jnp.matmul(
         a, a, precision=jax.lax.Precision.HIGHEST)), (square,))
-    times = interleaved(candidates, rounds=5, warmup=1)
+    times = interleaved(candidates, rounds=2 if quick else 5, warmup=1)
     rate = 2 * side ** 3 / times.pop("matmul")
     flops = sum(ns_flops(*x.shape[-2:], 5) * np.prod(x.shape[:-2])
                 for x in matrices)
