@@ -7,6 +7,8 @@ import math
 import os
 import subprocess
 import sys
+
+import pytest
 from conftest import ROOT
 
 RATIOS = {
@@ -44,6 +46,7 @@ def _env():
   return dict(os.environ, XLA_FLAGS="", PYTHON=sys.executable)
 
 
+@pytest.mark.slow  # two minutes; the next test runs the compat row alone
 def test_gpu_script_runs_every_benchmark_on_cpu_in_quick_mode(tmp_path):
   result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"),
                            str(tmp_path), "--quick"], capture_output=True,
@@ -55,6 +58,18 @@ def test_gpu_script_runs_every_benchmark_on_cpu_in_quick_mode(tmp_path):
     if name == "update_vs_optax":  # like for like: the same update
       assert all(d < 1e-4 for r in records for d in r["max_abs_diff"].values())
       assert all(r["compat_max_abs_diff"] < 1e-5 for r in records)
+
+
+def test_update_benchmark_times_compat_at_optax_numbers():
+  result = subprocess.run([sys.executable, str(ROOT / "benchmarks" /
+                                               "update_vs_optax.py"), "--quick",
+                           "--trees", "layers512"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600, env=_env())
+  assert result.returncode == 0, result.stderr[-2000:]
+  (record,) = _check("update_vs_optax", result.stdout.splitlines())
+  assert record["tree"] == "layers512"
+  assert record["compat_max_abs_diff"] < 1e-5  # called as optax: its numbers
+  assert record["compat_over_optax"] > 0
 
 
 def test_sharding_benchmark_prints_bytes_per_mode():
