@@ -60,18 +60,26 @@ __all__ = ("MuonDimensionNumbers", "MuonState", "muon",
 _is_dims = lambda x: isinstance(x, MuonDimensionNumbers)
 
 
+def _coefficient_table(ns_coeffs):
+  """``ns_coeffs`` as an fp32 ``(3,)`` or ``(n, 3)`` array (a traced one, from
+  a state, as it is)."""
+  rows = ns_coeffs if _checks.is_traced(ns_coeffs) else np.asarray(
+      ns_coeffs, np.float32)
+  if rows.ndim not in (1, 2) or rows.shape[-1] != 3:
+    raise ValueError(
+        f"ns_coeffs must have shape (3,) or (n, 3), got {rows.shape}; "
+        f"accepted: one (a, b, c), a list of them, or a preset in "
+        f"{sorted(NS_COEFFS_PRESETS)}")
+  return rows
+
+
 def _coefficient_rows(ns_coeffs, ns_steps) -> tuple[np.ndarray, Any]:
   """``ns_coeffs`` as optax keeps them in its state, and the step count.
 
   One ``(a, b, c)`` runs ``ns_steps`` times; an ``(n, 3)`` table (``n ≤
   ns_steps``) runs its rows once each.
   """
-  rows = np.asarray(ns_coeffs, np.float32)
-  if rows.ndim not in (1, 2) or rows.shape[-1] != 3:
-    raise ValueError(
-        f"ns_coeffs must have shape (3,) or (n, 3), got {rows.shape}; "
-        f"accepted: one (a, b, c), a list of them, or a preset in "
-        f"{sorted(NS_COEFFS_PRESETS)}")
+  rows = _coefficient_table(ns_coeffs)
   if rows.ndim == 1:
     return rows, ns_steps
   _checks.check_int("ns_steps", ns_steps, minimum=1)
@@ -129,11 +137,7 @@ def orthogonalize_via_newton_schulz(
         "Input must have shape (m, n) or weight dimension numbers must be "
         f"provided. Got shape={x.shape} and {dimension_numbers=}.")
   _checks.check_choice("preconditioning", preconditioning, PRECONDITIONINGS)
-  rows = ns_coeffs if _checks.is_traced(ns_coeffs) else np.asarray(
-      ns_coeffs, np.float32)
-  if rows.ndim not in (1, 2) or rows.shape[-1] != 3:
-    raise ValueError("Newton-Schulz coefficients must have shape (3,) or "
-                     f"(n, 3), got {rows.shape}")
+  rows = _coefficient_table(ns_coeffs)
   steps = ns_steps if rows.ndim == 1 else rows.shape[0]
   view = layout.matrix_view(x.shape, dimension_numbers if x.ndim != 2 else None)
   out = _orthogonalize_grouped(
@@ -254,24 +258,21 @@ def _labels_and_dims(dims_or_fn):
   ``MuonDimensionNumbers`` sends its subtree to Muon and ``None`` to Adam.
   """
 
-  def labels(params):
-    if dims_or_fn is None:
-      return jax.tree.map(lambda x: "muon" if x.ndim == 2 else "adam", params)
-    return jax.tree.map(
-        lambda d, sub: jax.tree.map(lambda _: "muon" if d is not None
-                                    else "adam", sub),
-        _resolve(dims_or_fn, params), params,
-        is_leaf=lambda x: x is None or _is_dims(x))
-
   def muon_dims(params):
-    # one entry per leaf of the (masked) Muon group: its dims, or None for
-    # the default matrix view
+    """One entry per leaf: its dims, or None (Adam). Inside the partition the
+    Adam leaves are masked out, so only dims remain."""
     if dims_or_fn is None:
-      return None
+      return jax.tree.map(
+          lambda x: MuonDimensionNumbers() if x.ndim == 2 else None, params)
     return jax.tree.map(
         lambda d, sub: jax.tree.map(lambda _: d, sub),
         _resolve(dims_or_fn, params), params,
         is_leaf=lambda x: x is None or _is_dims(x))
+
+  def labels(params):
+    return jax.tree.map(lambda d: "adam" if d is None else "muon",
+                        muon_dims(params),
+                        is_leaf=lambda x: x is None or _is_dims(x))
 
   return labels, muon_dims
 

@@ -129,6 +129,20 @@ def precondition(x: jax.Array, preconditioning: str, eps: float,
   return gram_rescale(x, A, preconditioning, eps)[0]
 
 
+def precondition_and_iterate(x: jax.Array, table: np.ndarray, mode: str,
+                             steps, precision: str, preconditioning: str,
+                             eps: float, add_eps: bool = False,
+                             axis_name=None) -> jax.Array:
+  """``iterate`` on ``x`` preconditioned by ``preconditioning``; AOL and
+  Schatten scale ``x`` inside the first step, reusing its ``X Xᴴ``."""
+  if preconditioning in GRAM_RESCALINGS:
+    return iterate(x, table, mode, steps, precision, axis_name,
+                   rescale=preconditioning, eps=eps)
+  return iterate(precondition(x, preconditioning, eps, precision, axis_name,
+                              add_eps), table, mode, steps, precision,
+                 axis_name)
+
+
 def _is_cubic(table) -> bool:
   """Whether every ``c`` is 0 (a traced table, from a state, is not known)."""
   return not _checks.is_traced(table) and bool(np.all(np.asarray(table)[:, 2]

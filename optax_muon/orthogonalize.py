@@ -89,13 +89,9 @@ def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
       stack = ns.iterate_gram(ns.precondition(stack, preconditioning, eps,
                                               precision, add_eps=add_eps),
                               table, mode, steps, precision)
-    elif preconditioning in ns.GRAM_RESCALINGS:
-      stack = ns.iterate(stack, table, mode, steps, precision,
-                         rescale=preconditioning, eps=eps)
     else:
-      stack = ns.iterate(ns.precondition(stack, preconditioning, eps,
-                                         precision, add_eps=add_eps),
-                         table, mode, steps, precision)
+      stack = ns.precondition_and_iterate(stack, table, mode, steps, precision,
+                                          preconditioning, eps, add_eps)
     if distribute_axis is not None:
       stack = jax.lax.all_gather(stack, distribute_axis, tiled=True)[:count]
     offsets = np.cumsum([0] + [x.shape[0] for x in inputs])
@@ -113,14 +109,9 @@ def _distributed_newton_schulz(matrices, axis_name, table, mode, steps,
   """NS of matrices whose columns are split over ``axis_name`` (shard_map)."""
   out = []
   for matrix in matrices:
-    x = matrix.astype(ns.working_dtype(matrix.dtype))
-    if preconditioning in ns.GRAM_RESCALINGS:
-      x = ns.iterate(x, table, mode, steps, precision, axis_name,
-                     rescale=preconditioning, eps=eps)
-    else:
-      x = ns.iterate(ns.precondition(x, preconditioning, eps, precision,
-                                     axis_name, add_eps),
-                     table, mode, steps, precision, axis_name)
+    x = ns.precondition_and_iterate(
+        matrix.astype(ns.working_dtype(matrix.dtype)), table, mode, steps,
+        precision, preconditioning, eps, add_eps, axis_name)
     out.append(x.astype(matrix.dtype))
   return out
 

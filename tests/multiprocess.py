@@ -11,18 +11,13 @@ process. The worker side is this same file run as a script.
 
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-  with socket.socket() as sock:
-    sock.bind(("localhost", 0))
-    return sock.getsockname()[1]
+sys.path.insert(0, ROOT)
+from examples.flax_lm.launch_local import free_port  # noqa: E402
 
 
 def environment(local_devices: int) -> dict:

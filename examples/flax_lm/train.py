@@ -299,14 +299,12 @@ def start_processes(num_processes, process_id, coordinator,
     if not 0 <= process_id < num_processes:
       raise ValueError(f"--process-id={process_id} must be in "
                        f"[0, --num-processes={num_processes})")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes, process_id)
-    return True
-  if any(environ.get(name, "1") not in ("", "1") for name in CLUSTER_VARIABLES):
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize()
-    return True
-  return False
+  elif all(environ.get(name, "1") in ("", "1") for name in CLUSTER_VARIABLES):
+    return False
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # None arguments: JAX reads the cluster's settings
+  jax.distributed.initialize(coordinator, num_processes, process_id)
+  return True
 
 
 def main(argv=None):
