@@ -41,6 +41,9 @@ class MuonConfig:
     optimizer: ``"adam"`` (AdamW everywhere) or ``"muon"``.
     lr: learning rate of both groups (verl's default 1e-6, for fine-tuning;
       ``build`` may pass a schedule instead).
+    adam_lr: the AdamW (scalar) group's own learning rate with
+      ``optimizer="muon"``; ``None``: ``lr``. A schedule given to ``build``
+      drives both groups, the AdamW one scaled by ``adam_lr / lr``.
     betas: AdamW's ``(β₁, β₂)``.
     eps: AdamW's epsilon.
     weight_decay: decoupled weight decay, matrices and embeddings (vectors are
@@ -71,6 +74,7 @@ class MuonConfig:
   """
   optimizer: str = "adam"
   lr: float = 1e-6
+  adam_lr: float | None = None
   betas: tuple[float, float] = (0.9, 0.999)
   eps: float = 1e-8
   weight_decay: float = 0.01
@@ -109,6 +113,11 @@ class MuonConfig:
       _checks.check_choice("muon_tp_mode", self.muon_tp_mode, TP_MODES)
     for name in ("lr", "weight_decay", "clip_grad", "eps"):
       _checks.check_range(name, getattr(self, name), 0.0, math.inf)
+    if self.adam_lr is not None:
+      _checks.check_range("adam_lr", self.adam_lr, 0.0, math.inf)
+      if self.lr == 0:
+        raise ValueError(f"adam_lr={self.adam_lr} is applied as adam_lr / lr "
+                         "times build()'s schedule and needs lr > 0; got lr=0")
     if self.muon_extra_scale_factor is not None:
       _checks.check_positive("muon_extra_scale_factor",
                              self.muon_extra_scale_factor)
@@ -136,16 +145,17 @@ class MuonConfig:
     """From ``{name: value}``; names may carry a dotted prefix (``optim.lr``)
     or be nested (``{"optim": {"lr": 1e-3}}``).
 
-    Warns once, naming them, when ``muon_*`` fields are set to other than
-    their defaults but the optimizer is ``"adam"`` (they have no effect then).
+    Warns once, naming them, when ``muon_*`` fields or ``adam_lr`` are set
+    to other than their defaults but the optimizer is ``"adam"`` (they have
+    no effect then).
     """
     fields = parse_fields(cls, values)
     config = cls(**fields)
     defaults = cls()
-    ignored = sorted(n for n in fields if n.startswith("muon_") and
-                     getattr(config, n) != getattr(defaults, n))
+    ignored = sorted(n for n in fields if n.startswith(("muon_", "adam_lr"))
+                     and getattr(config, n) != getattr(defaults, n))
     if config.optimizer == "adam" and ignored:
-      warnings.warn(f"optimizer='adam' ignores the muon_* fields that were set: "
+      warnings.warn(f"optimizer='adam' ignores the fields that were set: "
                     f"{ignored}; set optimizer=muon to use them", stacklevel=2)
     return config
 
@@ -231,6 +241,11 @@ class MuonConfig:
       raise ValueError(
           f"muon_tp_mode={self.muon_tp_mode!r} is set but build() got no "
           "mesh; pass build(..., mesh=mesh) or leave muon_tp_mode unset")
+    adam_lr = None
+    if self.adam_lr is not None:
+      ratio = self.adam_lr / self.lr
+      adam_lr = ((lambda count: lr(count) * ratio) if callable(lr)
+                 else lr * ratio)
     split = split_qkv if self.muon_split_qkv else None
     check_split = self.muon_split_qkv and split is None
     if check_split and params is not None:
@@ -244,7 +259,8 @@ class MuonConfig:
         match_adamw_update_rms=self.muon_match_adamw_update_rms,
         split_qkv=split, sharding=sharding, weight_decay=self.weight_decay,
         weight_decay_mask=decay_mask, labels=labels,
-        scalar_optimizer=self.muon_scalar_optimizer, adam_b1=b1, adam_b2=b2,
+        scalar_optimizer=self.muon_scalar_optimizer,
+        adam_learning_rate=adam_lr, adam_b1=b1, adam_b2=b2,
         adam_eps=self.eps, adam_weight_decay=self.weight_decay,
         adam_weight_decay_mask=decay_mask), *clip_logits)
     if not check_split:

@@ -16,7 +16,7 @@ import optax_muon as om
 # "unset": muon_tp_mode resolves to blockwise with a mesh, the extra factor to
 # 1.0 or the RMS-matching factor
 DEFAULTS = {
-    "optimizer": "adam", "lr": 1e-6, "betas": (0.9, 0.999), "eps": 1e-8,
+    "optimizer": "adam", "lr": 1e-6, "adam_lr": None, "betas": (0.9, 0.999), "eps": 1e-8,
     "weight_decay": 0.01, "clip_grad": 1.0,
     "use_layer_wise_distributed_optimizer": False, "muon_momentum": 0.95,
     "muon_nesterov": False, "muon_split_qkv": True,
@@ -160,6 +160,7 @@ FORWARD_CASES = {
     "weight_decay": ({"weight_decay": 0.5},
                      {"weight_decay": 0.5, "adam_weight_decay": 0.5}),
     "clip_grad": ({"clip_grad": 0.5}, {"clip": 0.5}),
+    "adam_lr": ({"adam_lr": 3e-3}, {"adam_learning_rate": 3e-3}),
 }
 # Muon and AdamW are nearly scale-invariant: a clip shows through eps = 1
 CONTEXT = {"clip_grad": ({"eps": 1.0}, {"adam_eps": 1.0})}
@@ -216,6 +217,41 @@ def test_build_forwards_every_field(case):
     differs = jax.tree.leaves(jax.tree.map(
         lambda a, b: not np.allclose(a, b, atol=1e-6, rtol=1e-6), got, without))
     assert any(differs), case
+
+
+def test_adam_lr_follows_the_schedule_and_an_injected_lr():
+  # the AdamW group follows build()'s schedule at adam_lr / lr of it, so that
+  # an inject_hyperparams lr (halved on a rollback) moves both groups
+  params = {"w": jnp.ones((8, 8)), "b": jnp.ones((8,))}
+  grads = {"w": jnp.ones((8, 8)), "b": jnp.ones((8,))}
+  cfg = om.MuonConfig(optimizer="muon", lr=1e-2, adam_lr=4e-2, clip_grad=0.0,
+                      weight_decay=0.0)
+  schedule = lambda count: 1e-2 * (count + 1.0)
+  tx = cfg.build(schedule)
+  state = tx.init(params)
+  for step in range(2):
+    updates, state = tx.update(grads, state, params)
+    # Adam's first steps are -lr·sign(g): its lr read off the update
+    np.testing.assert_allclose(-updates["b"], 4e-2 * (step + 1), rtol=1e-4)
+  injected = optax.inject_hyperparams(
+      lambda learning_rate: cfg.build(learning_rate))(learning_rate=1e-2)
+  state = injected.init(params)
+  state.hyperparams["learning_rate"] = jnp.asarray(5e-3)  # halved
+  updates, _ = injected.update(grads, state, params)
+  np.testing.assert_allclose(-updates["b"], 2e-2, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"adam_lr": -1.0}, "adam_lr"),
+    ({"adam_lr": 1e-3, "lr": 0.0}, "adam_lr.*lr > 0")])
+def test_bad_adam_lr_raises(fields, match):
+  with pytest.raises(ValueError, match=match):
+    om.MuonConfig(optimizer="muon", **fields)
+
+
+def test_adam_lr_with_adamw_warns():
+  with pytest.warns(UserWarning, match="adam_lr"):
+    om.MuonConfig.from_dict({"optimizer": "adam", "adam_lr": 1e-3})
 
 
 @pytest.mark.parametrize("fields, collective", [

@@ -95,35 +95,53 @@ class RunConfig:
     return self.train.out_dir or f"runs/{self.name}"
 
 
+def parse_sections(overrides, presets: dict, classes: dict, optim_defaults: dict,
+                   muon_defaults: dict) -> tuple[str, dict]:
+  """``(preset, {section: instance})`` from ``preset=...`` and
+  ``section.field=value`` overrides over ``presets[preset]``.
+
+  ``classes`` maps section names (``model``, ``train``, ...) to dataclasses;
+  any other dotted path ending in a ``MuonConfig`` field (verl's
+  ``actor_rollout_ref.actor.optim.lr``) goes to ``optim``, over
+  ``optim_defaults``, the preset's ``optim``, and for ``optimizer=muon``
+  ``muon_defaults``.
+  """
+  values = split_overrides(overrides)
+  preset = values.pop("preset", next(iter(presets)))
+  if preset not in presets:
+    raise ValueError(f"preset={preset!r} is not accepted; accepted values: "
+                     f"{list(presets)}")
+  sections = {name: {} for name in classes}
+  for section, fields in presets[preset].items():
+    if section != "optim":
+      sections[section].update(fields)
+  optim = {}
+  for key, value in values.items():
+    section, field = key.split(".", 1)[0], key.rsplit(".", 1)[-1]
+    if section in classes:
+      sections[section][field] = value
+    elif "." not in key:
+      raise ValueError(f"override {key!r} names no section; accepted: preset, "
+                       + ", ".join(f"{name}.*" for name in classes)
+                       + ", optim.* (or a verl path)")
+    else:
+      optim[key] = value
+  # typed, and a field given under two verl prefixes raises
+  optim = parse_fields(MuonConfig, optim)
+  defaults = dict(optim_defaults, **presets[preset].get("optim", {}))
+  if optim.get("optimizer", defaults.get("optimizer")) == "muon":
+    defaults.update(muon_defaults)
+  built = {name: cls(**parse_fields(cls, sections[name]))
+           for name, cls in classes.items()}
+  built["optim"] = MuonConfig.from_dict(defaults | optim)
+  return preset, built
+
+
 def run_config(overrides=()) -> RunConfig:
   """A preset (``preset=tiny`` by default) with ``section.field=value``
   overrides applied; any dotted path ending in a ``MuonConfig`` field (verl's
   ``actor_rollout_ref.actor.optim.lr``) goes to ``optim``."""
-  values = split_overrides(overrides)
-  preset = values.pop("preset", "tiny")
-  if preset not in PRESETS:
-    raise ValueError(f"preset={preset!r} is not accepted; accepted values: "
-                     f"{list(PRESETS)}")
-  sections = {"model": {}, "train": {}, "optim": {}}
-  for section, fields in PRESETS[preset].items():
-    if section != "optim":
-      sections[section].update(fields)
-  for key, value in values.items():
-    section, field = key.split(".", 1)[0], key.rsplit(".", 1)[-1]
-    if section not in ("model", "train"):
-      if "." not in key:
-        raise ValueError(f"override {key!r} names no section; accepted: "
-                         "preset, model.*, train.*, optim.* (or a verl path)")
-      sections["optim"][key] = value
-    else:
-      sections[section][field] = value
-  # typed, and a field given under two verl prefixes raises
-  optim = parse_fields(MuonConfig, sections["optim"])
-  defaults = dict(EXAMPLE_OPTIM, **PRESETS[preset].get("optim", {}))
-  if optim.get("optimizer") == "muon":
-    defaults.update(EXAMPLE_MUON)
-  return RunConfig(
-      preset=preset,
-      model=GPTConfig(**parse_fields(GPTConfig, sections["model"])),
-      train=TrainConfig(**parse_fields(TrainConfig, sections["train"])),
-      optim=MuonConfig.from_dict(defaults | optim))
+  preset, sections = parse_sections(
+      overrides, PRESETS, {"model": GPTConfig, "train": TrainConfig},
+      EXAMPLE_OPTIM, EXAMPLE_MUON)
+  return RunConfig(preset=preset, **sections)

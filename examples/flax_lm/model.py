@@ -5,7 +5,8 @@ dense mixture of experts), an optional fused QKV projection in Megatron's
 grouped layout, grouped-query attention, an optional scan over stacked layers,
 and an untied lm_head. Attention is computed explicitly (einsum, causal mask,
 softmax) so that each layer can report its largest pre-softmax logit per head,
-which QK-clip needs (``GPT.forward``).
+which QK-clip needs (``GPT.forward``). ``GPT.decode`` runs the same layers over
+a key/value cache, for sampling (``examples/grpo_arith``).
 """
 
 import dataclasses
@@ -78,7 +79,8 @@ class Attention(nnx.Module):
       self.value = _dense(d, cfg.kv_heads * hd, rngs, False, COLUMN)
     self.proj = _dense(cfg.n_head * hd, d, rngs, False, ROW)
 
-  def __call__(self, x):
+  def _project(self, x):
+    """Queries ``(b, t, n_head, hd)``, keys and values ``(b, t, kv_heads, hd)``."""
     cfg, (b, t, _) = self.cfg, x.shape
     hd, groups = cfg.head_dim, cfg.kv_heads
     if cfg.fused_qkv:
@@ -87,20 +89,40 @@ class Attention(nnx.Module):
       q = qkv[..., :per_group * hd].reshape(b, t, cfg.n_head, hd)
       k = qkv[..., per_group * hd:(per_group + 1) * hd]
       v = qkv[..., (per_group + 1) * hd:]
-    else:
-      q = self.query(x).reshape(b, t, cfg.n_head, hd)
-      k = self.key(x).reshape(b, t, groups, hd)
-      v = self.value(x).reshape(b, t, groups, hd)
+      return q, k, v
+    return (self.query(x).reshape(b, t, cfg.n_head, hd),
+            self.key(x).reshape(b, t, groups, hd),
+            self.value(x).reshape(b, t, groups, hd))
+
+  def _attend(self, q, k, v, visible):
+    """Attention of queries ``q`` over keys ``k`` where ``visible``
+    ``(t_q, t_k)`` allows; ``(out, max_logits)``."""
+    cfg, (b, t, _, hd) = self.cfg, q.shape
     # each query head h reads key/value head h // (n_head / kv_heads)
-    k = jnp.repeat(k.reshape(b, t, groups, hd), cfg.n_head // groups, axis=2)
-    v = jnp.repeat(v.reshape(b, t, groups, hd), cfg.n_head // groups, axis=2)
+    k = jnp.repeat(k, cfg.n_head // cfg.kv_heads, axis=2)
+    v = jnp.repeat(v, cfg.n_head // cfg.kv_heads, axis=2)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    scores = jnp.where(causal, scores, -jnp.inf)
+    scores = jnp.where(visible, scores, -jnp.inf)
     # the largest logit each head produced, over batch and positions (QK-clip)
     max_logits = jax.lax.stop_gradient(scores.max(axis=(0, 2, 3)))
     out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
     return self.proj(out.reshape(b, t, cfg.n_head * hd)), max_logits
+
+  def __call__(self, x):
+    t = x.shape[1]
+    return self._attend(*self._project(x), jnp.tril(jnp.ones((t, t), bool)))
+
+  def decode(self, x, cache, position):
+    """``x`` at positions ``position, position + 1, ...`` attending over the
+    keys and values cached before them; ``(out, max_logits, cache)``."""
+    q, k, v = self._project(x)
+    keys, values = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype),
+                                                        position, axis=1)
+                    for c, new in zip(cache, (k, v)))
+    queries_at = position + jnp.arange(x.shape[1])
+    visible = jnp.arange(keys.shape[1])[None, :] <= queries_at[:, None]
+    out, max_logits = self._attend(q, keys, values, visible)
+    return out, max_logits, (keys, values)
 
 
 class MLP(nnx.Module):
@@ -149,9 +171,17 @@ class Block(nnx.Module):
     """``(x, max_logits)``: the block's output and its attention's largest
     logit per head, ``(n_head,)``."""
     attended, max_logits = self.attn(self.ln1(x))
-    x = x + attended
+    return self._feed_forward(x + attended), max_logits
+
+  def decode(self, x, cache, position):
+    """``__call__`` for ``x`` at ``position`` with a key/value cache;
+    ``(x, max_logits, cache)``."""
+    attended, max_logits, cache = self.attn.decode(self.ln1(x), cache, position)
+    return self._feed_forward(x + attended), max_logits, cache
+
+  def _feed_forward(self, x):
     feed_forward = self.experts if self.cfg.n_experts else self.mlp
-    return x + feed_forward(self.ln2(x)), max_logits
+    return x + feed_forward(self.ln2(x))
 
 
 class GPT(nnx.Module):
@@ -198,3 +228,35 @@ class GPT(nnx.Module):
         per_layer.append(layer_max)
       max_logits = jnp.stack(per_layer)
     return self.lm_head(self.ln_f(x)), max_logits
+
+  def init_cache(self, batch: int, length: int, dtype=jnp.float32):
+    """An empty key/value cache for ``decode``: per layer ``(keys, values)``,
+    each ``(batch, length, kv_heads, head_dim)`` (stacked over layers when
+    they are scanned)."""
+    cfg = self.cfg
+    shape = (batch, length, cfg.kv_heads, cfg.head_dim)
+    if cfg.scan_layers:
+      shape = (cfg.n_layer,) + shape
+      return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            for _ in range(cfg.n_layer)]
+
+  def decode(self, tokens, cache, position):
+    """``forward`` for ``tokens`` ``(batch, t)`` placed at positions
+    ``position … position + t − 1`` of sequences whose earlier keys and values
+    are in ``cache``: ``(logits, cache)``. A prompt goes in at position 0
+    (the prefill), then one token at a time."""
+    x = self.wte(tokens) + self.wpe(position + jnp.arange(tokens.shape[-1]))
+    if self.cfg.scan_layers:
+      @nnx.scan(in_axes=(nnx.Carry, 0, 0, None), out_axes=(nnx.Carry, 0))
+      def run(x, block, layer_cache, position):
+        x, _, layer_cache = block.decode(x, layer_cache, position)
+        return x, layer_cache
+      x, cache = run(x, self.blocks, cache, position)
+    else:
+      updated = []
+      for block, layer_cache in zip(self.blocks, cache):
+        x, _, layer_cache = block.decode(x, layer_cache, position)
+        updated.append(layer_cache)
+      cache = updated
+    return self.lm_head(self.ln_f(x)), cache

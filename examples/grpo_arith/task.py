@@ -1,8 +1,8 @@
 """The verifiable task: integer arithmetic word problems, answers in \\boxed{}.
 
 A problem is a short story of ``level`` operations on small integers
-("Ada has 7 marbles. She finds 5 more. She gives away 3. How many marbles does
-she have now?"); its answer is an integer, and a worked solution writes one
+("Ada has 7 coins. They get 5 more. It doubles. They lose 3. How many coins
+now?"); its answer is an integer, and a worked solution writes one
 equation a step and ends with ``\\boxed{answer}``. Train and test problems
 come from separate random streams of one seed, and no test question appears
 among the train ones.
@@ -49,8 +49,8 @@ def make_problem(rng: random.Random, level: int) -> Problem:
       op = "+"  # counts stay non-negative
     new = {"+": value + operand, "-": value - operand, "*": value * operand}[op]
     sentences.append({"+": f"They get {operand} more.",
-                      "-": f"They give away {operand}.",
-                      "*": f"Their count is multiplied by {operand}."}[op])
+                      "-": f"They lose {operand}.",
+                      "*": "It doubles." if operand == 2 else "It triples."}[op])
     steps.append(f"{value} {'x' if op == '*' else op} {operand} = {new}.")
     value = new
   question = " ".join(sentences) + f" How many {item} now?"
