@@ -366,6 +366,11 @@ def _coerce(name: str, value: Any, hint) -> Any:
     if isinstance(value, str):
       value = [v for v in value.strip("[]() ").split(",") if v.strip()]
     args = typing.get_args(hint)
+    if len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]: any length
+      if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{name}={value!r} must be one or more values, e.g. "
+                         "[1,2,3]")
+      args = (args[0],) * len(value)
     if not isinstance(value, (list, tuple)) or len(value) != len(args):
       raise ValueError(f"{name}={value!r} must be {len(args)} numbers, e.g. "
                        "[0.9,0.999]")

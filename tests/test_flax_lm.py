@@ -283,3 +283,18 @@ def test_cached_decoding_equals_the_full_forward(fields):
     pieces.append(logits)
   np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), model(tokens),
                              atol=2e-5)
+
+
+def test_checkpointer_keeps_the_best_besides_the_latest(tmp_path):
+  # with best_metric, orbax keeps the newest and the highest-scoring step
+  saver = checkpoint_lib.Checkpointer(tmp_path / "ckpt", keep=1,
+                                      best_metric="accuracy")
+  for step, accuracy in [(10, 0.3), (20, 0.5), (30, 0.4), (40, 0.2)]:
+    saver.save(step, {"w": np.full(3, step, np.float32)}, {},
+               metrics={"accuracy": accuracy})
+  assert saver.best_step() == 20
+  assert sorted(saver._manager.all_steps()) == [20, 40]
+  restored, meta = saver.restore(saver.best_step(),
+                                 {"w": np.zeros(3, np.float32)})
+  assert meta["step"] == 20
+  np.testing.assert_array_equal(restored["w"], np.full(3, 20, np.float32))

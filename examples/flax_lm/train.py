@@ -174,7 +174,7 @@ def evaluate(eval_loss, params, corpus, cfg) -> float:
   return float(np.mean([float(l) for l in losses]))
 
 
-def _read_metrics(path: pathlib.Path, upto: int) -> list[str]:
+def read_metrics(path: pathlib.Path, upto: int) -> list[str]:
   if not path.exists():
     return []
   return [line for line in path.read_text().splitlines()
@@ -218,7 +218,7 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False,
   # a resumed run drops what was logged after its checkpoint
   if writer:
     metrics_path.write_text("".join(
-        line + "\n" for line in _read_metrics(metrics_path, start)) if start
+        line + "\n" for line in read_metrics(metrics_path, start)) if start
                             else "")
   schedule = learning_rate_schedule(cfg)
   tokens_per_step = cfg.train.batch_size * cfg.model.block_size
