@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from examples.flax_lm import checkpoint as checkpoint_lib
 from examples.flax_lm.model import GPT, GPTConfig
 from examples.grpo_arith import config as config_lib
 from examples.grpo_arith import grpo
@@ -117,11 +116,13 @@ def test_greedy_sampling_is_argmax_decoding():
   graphdef, params, prompts = _tiny_policy()
   tokens = policy.sample(graphdef, params, prompts, 8, 0.0, jax.random.key(0))
   chex.assert_shape(tokens, (3, 8))
-  model = nnx.merge(graphdef, params)
-  sequence = prompts
-  for _ in range(8):  # the full forward over the whole sequence, each token
-    next_token = jnp.argmax(model(sequence)[:, -1], axis=-1)
-    sequence = jnp.concatenate([sequence, next_token[:, None]], axis=1)
+  # the full causal forward over the whole sequence for each token (the
+  # zeros after position t do not reach it)
+  forward = jax.jit(lambda sequence: nnx.merge(graphdef, params)(sequence))
+  sequence = jnp.concatenate([prompts, jnp.zeros((3, 8), jnp.int32)], axis=1)
+  for t in range(10, 18):
+    sequence = sequence.at[:, t].set(jnp.argmax(forward(sequence)[:, t - 1],
+                                                axis=-1))
   np.testing.assert_array_equal(tokens, sequence[:, 10:])
 
 
@@ -170,16 +171,8 @@ def _records(directory):
           for l in lines]
 
 
-def _saved(cfg, directory, step):
-  """``(params, opt_state)`` of a run's checkpoint ``step``."""
-  model = train_lib.Policy(cfg)
-  like = (model.initial_params, model.tx.init(model.initial_params))
-  return checkpoint_lib.Checkpointer(directory / "checkpoints").restore(
-      step, like)[0]
-
-
 def test_a_short_grpo_run_resumes_exactly(tmp_path):
-  cfg, final = _run(tmp_path, "whole", "train.steps=4")
+  _, final = _run(tmp_path, "whole", "train.steps=4")
   assert set(final) >= {"optimizer", "sft_accuracy", "final_accuracy",
                         "format_rate", "rollbacks", "steps"}
   assert final["steps"] == 4 and final["rollbacks"] == 0
@@ -188,14 +181,15 @@ def test_a_short_grpo_run_resumes_exactly(tmp_path):
   records = _records(out)
   assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
   assert {"reward_avg", "format_rate", "loss", "kl", "max_logit",
-          "update_rms/attn/qkv", "update_rms/wte"} <= set(records[1])
+          "signal_groups", "update_rms/attn/qkv", "update_rms/wte"} <= set(
+              records[1])
   assert {"test_accuracy", "test_accuracy_sampled"} <= set(records[2])
+  assert records[4]["params_sha256"] == final["params_sha256"]
   # stopped after 2 steps, then resumed to 4: the same records and params
   _run(tmp_path, "split", "train.steps=2")
-  _run(tmp_path, "split", "train.steps=4", resume=True)
+  _, resumed = _run(tmp_path, "split", "train.steps=4", resume=True)
   assert _records(tmp_path / "split") == records
-  chex.assert_trees_all_equal(_saved(cfg, out, 4),
-                              _saved(cfg, tmp_path / "split", 4))
+  assert resumed["params_sha256"] == final["params_sha256"]
 
 
 def test_three_accuracy_drops_roll_back_to_the_best_at_half_the_lr(
@@ -211,21 +205,20 @@ def test_three_accuracy_drops_roll_back_to_the_best_at_half_the_lr(
     return result
 
   monkeypatch.setattr(train_lib, "evaluate", scripted)
-  cfg, final = _run(tmp_path, "rollback", "train.steps=4",
-                    "train.eval_every=1", "optim.lr=1e-3")
+  _, final = _run(tmp_path, "rollback", "train.steps=4", "train.eval_every=1",
+                  "optim.lr=1e-3")
   records = {r["step"]: r for r in _records(tmp_path / "rollback")}
   # drops at steps 2, 3 and 4 (0.55, 0.5, 0.45): back to step 1 (0.6)
   assert records[4]["rollback_to"] == 1 and records[4]["lr"] == 5e-4
   assert "rollback_to" not in records[3]
   assert (final["rollbacks"], final["final_lr"]) == (1, 5e-4)
   assert final["best_accuracy"] == 0.6
-  # the state after the rollback is step 1's params with the lr halved
-  monkeypatch.setattr(train_lib, "evaluate", real)
-  _run(tmp_path, "one_step", "train.steps=1", "optim.lr=1e-3")
-  params, opt_state = _saved(cfg, tmp_path / "rollback", 4)
-  chex.assert_trees_all_equal(params,
-                              _saved(cfg, tmp_path / "one_step", 1)[0])
-  np.testing.assert_allclose(opt_state.hyperparams["learning_rate"], 5e-4)
+  # the state after the rollback is step 1's params, with the lr halved
+  assert records[4]["params_sha256"] == records[1]["params_sha256"]
+  assert len({records[s]["params_sha256"] for s in (1, 2, 3)}) == 3
+  assert final["params_sha256"] == records[1]["params_sha256"]
+  assert sorted(p.name for p in (tmp_path / "rollback" / "checkpoints")
+                .iterdir() if p.name.isdigit())[-1] == "4"
 
 
 def test_compare_picks_each_optimizers_best_lr_then_runs_strict_and_seed_1(

@@ -252,12 +252,14 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False) -> dict:
                        run.rollback_patience, best_step, best, state["lr"])
         state["step"] = done
         state["accuracies"][str(done)] = accuracy
+        record["params_sha256"] = checkpoint_lib.tree_sha256(params)
         checkpoints.save(done, (params, opt_state),
                          {"state": state, "rollback": rollback.state(),
                           "window": list(window)},
                          metrics={"accuracy": accuracy})
-        bar.set_postfix(reward=f"{record['reward_avg']:.2f}",
-                        acc=f"{accuracy:.3f}")
+      bar.set_postfix(reward=f"{record['reward_avg']:.2f}",
+                      acc=f"{state['accuracies'][str(state['step'])]:.3f}",
+                      refresh=False)
       log.write(json.dumps(record) + "\n")
       log.flush()
   if state["test"] is None:  # the run ended on a rollback
@@ -272,6 +274,7 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False) -> dict:
            "format_rate": state["test"]["format_rate"],
            "rollbacks": state["rollbacks"], "steps": run.steps,
            "seed": run.seed, "sft_seconds": sft_info["seconds"],
+           "params_sha256": checkpoint_lib.tree_sha256(params),
            "seconds": time.perf_counter() - begin}
   (out / "final.json").write_text(json.dumps(final, indent=1))
   return final
