@@ -268,3 +268,12 @@ def test_compare_picks_each_optimizers_best_lr_then_runs_strict_and_seed_1(
   # finished runs are read back, not redone
   compare_lib.compare(sweeps=sweeps, out=tmp_path)
   assert len(calls) == 9
+
+
+def test_cli_errors_are_one_line_and_a_nonzero_exit(capsys):
+  for argv in (["train.reward=exact"], ["optim.lr=-1"], ["nonsense=1"]):
+    with pytest.raises(SystemExit) as exited:
+      train_lib.main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err

@@ -194,6 +194,19 @@ def compare(overrides=(), sweeps=None, out="results", reuse=True,
   return summary
 
 
+def parse_lrs(items, names) -> dict:
+  """``["adam=1e-3,2e-3", ...]`` as ``{"adam": (1e-3, 2e-3), ...}``; every
+  name must be one of ``names``."""
+  sweeps = {}
+  for item in items:
+    name, _, lrs = item.partition("=")
+    if name not in names or not lrs:
+      raise ValueError(f"--lrs {item!r}: expected NAME=LR,LR with NAME in "
+                       f"{list(names)}")
+    sweeps[name] = tuple(float(lr) for lr in lrs.split(","))
+  return sweeps
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("overrides", nargs="*",
@@ -212,15 +225,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.WARNING)
   try:
-    sweeps = None
-    if args.lrs:
-      sweeps = {}
-      for item in args.lrs:
-        name, _, lrs = item.partition("=")
-        if name not in CONTESTANTS or not lrs:
-          raise ValueError(f"--lrs {item!r}: expected CONTESTANT=LR,LR with "
-                           f"CONTESTANT in {list(CONTESTANTS)}")
-        sweeps[name] = tuple(float(lr) for lr in lrs.split(","))
+    sweeps = parse_lrs(args.lrs, CONTESTANTS) if args.lrs else None
     seeds = tuple(int(seed) for seed in args.seeds.split(","))
     summary = compare(args.overrides, sweeps=sweeps, out=args.out,
                       reuse=not args.fresh, seeds=seeds,

@@ -24,6 +24,7 @@ import shutil
 
 import numpy as np
 
+from examples.flax_lm.compare import parse_lrs
 from examples.grpo_arith import config as config_lib
 from examples.grpo_arith import plots
 from examples.grpo_arith import train as train_lib
@@ -151,15 +152,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.WARNING)
   try:
-    sweeps = None
-    if args.lrs:
-      sweeps = {}
-      for item in args.lrs:
-        name, _, lrs = item.partition("=")
-        if name not in LABELS or not lrs:
-          raise ValueError(f"--lrs {item!r}: expected OPTIMIZER=LR,LR with "
-                           f"OPTIMIZER in {list(LABELS)}")
-        sweeps[name] = tuple(float(lr) for lr in lrs.split(","))
+    sweeps = parse_lrs(args.lrs, LABELS) if args.lrs else None
     summary = compare(args.overrides, sweeps=sweeps, out=args.out,
                       reuse=not args.fresh)
   except ValueError as error:

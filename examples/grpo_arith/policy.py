@@ -19,28 +19,26 @@ from flax import nnx
 PAD, END = 0, ord("\n")
 
 
+def _encode(texts, width: int, field: str, left: bool) -> np.ndarray:
+  rows = []
+  for text in texts:
+    data = (text + "\n").encode()
+    if len(data) > width:
+      raise ValueError(f"a text of {len(data)} bytes does not fit "
+                       f"train.{field}={width}; raise it")
+    padded = (data.rjust if left else data.ljust)(width, bytes([PAD]))
+    rows.append(np.frombuffer(padded, np.uint8))
+  return np.stack(rows).astype(np.int32)
+
+
 def encode_prompts(questions, width: int) -> np.ndarray:
   """``(len(questions), width)`` int32: each ``question + "\\n"``, left-padded."""
-  rows = []
-  for question in questions:
-    data = (question + "\n").encode()
-    if len(data) > width:
-      raise ValueError(f"a question of {len(data)} bytes does not fit "
-                       f"train.prompt_width={width}; raise it")
-    rows.append(np.frombuffer(data.rjust(width, bytes([PAD])), np.uint8))
-  return np.stack(rows).astype(np.int32)
+  return _encode(questions, width, "prompt_width", left=True)
 
 
 def encode_completions(texts, length: int) -> np.ndarray:
   """``(len(texts), length)`` int32: each ``text + "\\n"``, right-padded."""
-  rows = []
-  for text in texts:
-    data = (text + "\n").encode()
-    if len(data) > length:
-      raise ValueError(f"a solution of {len(data)} bytes does not fit "
-                       f"train.completion_len={length}; raise it")
-    rows.append(np.frombuffer(data.ljust(length, bytes([PAD])), np.uint8))
-  return np.stack(rows).astype(np.int32)
+  return _encode(texts, length, "completion_len", left=False)
 
 
 def completion_mask(completions) -> jax.Array:
