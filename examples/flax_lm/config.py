@@ -16,6 +16,14 @@ from examples.flax_lm.model import GPTConfig
 MUON_IMPLS = ("optax_muon", "optax.contrib")
 
 
+def check_at_least(section: str, config, minimum: float, names) -> None:
+  """Raises naming ``section.name`` for the first field below ``minimum``."""
+  for name in names:
+    if getattr(config, name) < minimum:
+      raise ValueError(f"{section}.{name}={getattr(config, name)} must be "
+                       f">= {minimum}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   name: str | None = None  # default: "<preset>-<optimizer>"
@@ -40,10 +48,9 @@ class TrainConfig:
     if self.muon_impl not in MUON_IMPLS:
       raise ValueError(f"train.muon_impl={self.muon_impl!r} is not accepted; "
                        f"accepted values: {list(MUON_IMPLS)}")
-    for name in ("steps", "batch_size", "eval_every", "eval_batches",
-                 "log_every", "keep_checkpoints", "max_bytes"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
+    check_at_least("train", self, 1, (
+        "steps", "batch_size", "eval_every", "eval_batches", "log_every",
+        "keep_checkpoints", "max_bytes"))
     if not 0 <= self.warmup_steps < self.steps:
       raise ValueError(f"train.warmup_steps={self.warmup_steps} must be in "
                        f"[0, train.steps={self.steps})")

@@ -12,18 +12,12 @@ import dataclasses
 
 from optax_muon import MuonConfig
 
-from examples.flax_lm.config import EXAMPLE_MUON, parse_sections
+from examples.flax_lm.config import (EXAMPLE_MUON, check_at_least,
+                                     parse_sections)
 from examples.flax_lm.model import GPTConfig
 
 REWARDS = ("shaped", "strict")
 SFT_OPTIMIZERS = ("adam", "muon")
-
-
-def _check_at_least(section: str, config, minimum: float, names) -> None:
-  for name in names:
-    if getattr(config, name) < minimum:
-      raise ValueError(f"{section}.{name}={getattr(config, name)} must be "
-                       f">= {minimum}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +34,8 @@ class SFTConfig:
     if self.optimizer not in SFT_OPTIMIZERS:
       raise ValueError(f"sft.optimizer={self.optimizer!r} is not accepted; "
                        f"accepted values: {list(SFT_OPTIMIZERS)}")
-    _check_at_least("sft", self, 1, ("steps", "batch_size"))
-    _check_at_least("sft", self, 0, ("lr", "warmup_steps"))
+    check_at_least("sft", self, 1, ("steps", "batch_size"))
+    check_at_least("sft", self, 0, ("lr", "warmup_steps"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +71,12 @@ class TrainConfig:
     if self.reward not in REWARDS:
       raise ValueError(f"train.reward={self.reward!r} is not accepted; "
                        f"accepted values: {list(REWARDS)}")
-    _check_at_least("train", self, 1, (
+    check_at_least("train", self, 1, (
         "prompt_width", "completion_len", "test_problems", "steps",
         "prompts_per_step", "eval_every", "reward_window",
         "rollback_patience"))
-    _check_at_least("train", self, 2, ("group_size",))
-    _check_at_least("train", self, 0, ("kl_coef", "clip_ratio",
+    check_at_least("train", self, 2, ("group_size",))
+    check_at_least("train", self, 0, ("kl_coef", "clip_ratio",
                                        "warmup_steps", "lr_decay"))
     if self.temperature <= 0:  # sampling; evaluation is greedy anyway
       raise ValueError(f"train.temperature={self.temperature} must be > 0")
