@@ -58,6 +58,17 @@ def named_leaves(tree) -> dict:
           in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def update_rms_by_group(updates, groups: dict) -> dict:
+  """``{"update_rms/<group>": mean update RMS}`` over the leaves of each
+  group; ``groups`` maps ``named_leaves`` keys to group names."""
+  rms = named_leaves(om.update_rms(updates))
+  members = {}
+  for key, group in groups.items():
+    members.setdefault(group, []).append(jnp.mean(rms[key][1]))
+  return {f"update_rms/{group}": jnp.mean(jnp.stack(values))
+          for group, values in members.items()}
+
+
 def newton_schulz_flops(params, labels, steps: int) -> float:
   """``T·(4m²n + 2m³)`` summed over every Muon matrix (m ≤ n)."""
   total = 0.0
@@ -134,7 +145,8 @@ def build(cfg: config_lib.RunConfig, mesh=None):
                          split_qkv=split_qkv_of(cfg), mesh=mesh, specs=specs,
                          attention=attention_of(cfg))
     labels = om.default_labels(params)
-  muon_leaves = {key: path for key, (path, label) in named_leaves(labels).items()
+  muon_groups = {key: matrix_group(path)
+                 for key, (path, label) in named_leaves(labels).items()
                  if label == "muon" and cfg.optim.optimizer == "muon"}
 
   def loss_fn(params, inputs, targets):
@@ -151,13 +163,8 @@ def build(cfg: config_lib.RunConfig, mesh=None):
              if cfg.optim.qk_clip else {})
     updates, opt_state = tx.update(grads, opt_state, params, **extra)
     params = optax.apply_updates(params, updates)
-    rms = named_leaves(om.update_rms(updates))
-    groups = {}
-    for key, path in muon_leaves.items():
-      groups.setdefault(matrix_group(path), []).append(jnp.mean(rms[key][1]))
     metrics = {"train_loss": loss, "grad_norm": optax.tree.norm(grads)}
-    metrics.update({f"update_rms/{g}": jnp.mean(jnp.stack(v))
-                    for g, v in groups.items()})
+    metrics.update(update_rms_by_group(updates, muon_groups))
     # the largest attention logit of each layer this step (before the clip)
     metrics.update({f"max_logit/layer{i}": m
                     for i, m in enumerate(max_logits.max(axis=-1))})

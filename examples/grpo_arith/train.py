@@ -35,7 +35,6 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-import optax_muon as om
 from examples.flax_lm import checkpoint as checkpoint_lib
 from examples.flax_lm import train as lm_train
 from examples.flax_lm.model import GPT
@@ -100,14 +99,9 @@ class Policy:
                if cfg.optim.qk_clip else {})
       updates, opt_state = tx.update(grads, opt_state, params, **extra)
       params = optax.apply_updates(params, updates)
-      rms = lm_train.named_leaves(om.update_rms(updates))
-      groups = collections.defaultdict(list)
-      for key, group in matrices.items():
-        groups[group].append(jnp.mean(rms[key][1]))
       metrics |= {"loss": loss, "grad_norm": optax.tree.norm(grads),
                   "max_logit": max_logits.max()}
-      metrics |= {f"update_rms/{group}": jnp.mean(jnp.stack(values))
-                  for group, values in groups.items()}
+      metrics |= lm_train.update_rms_by_group(updates, matrices)
       return params, opt_state, metrics
 
     self.step = step
