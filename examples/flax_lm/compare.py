@@ -127,16 +127,28 @@ def run_one(overrides, contestant: str, lr: float, seed: int,
   cfg = config_lib.run_config(list(overrides) + list(CONTESTANTS[contestant]) + [
       f"optim.lr={lr}", f"train.seed={seed}", f"train.name={name}",
       f"train.out_dir={run_dir}", "train.progress=false"])
-  finished = run_dir / "final.json"
-  if reuse and finished.exists() and json.loads((run_dir / "config.json")
-                                               .read_text()) == _as_dict(cfg):
-    return json.loads(finished.read_text()), run_dir
-  shutil.rmtree(run_dir, ignore_errors=True)
-  final = train_lib.train(cfg)
-  (run_dir / "config.json").write_text(json.dumps(_as_dict(cfg)))
-  shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # curves suffice
-  print(f"  {name}: val loss {final['final_val_loss']:.4f}", flush=True)
+  final, trained = reuse_or_train(run_dir, _as_dict(cfg),
+                                  lambda: train_lib.train(cfg), reuse)
+  if trained:
+    print(f"  {name}: val loss {final['final_val_loss']:.4f}", flush=True)
   return final, run_dir
+
+
+def reuse_or_train(run_dir: pathlib.Path, settings: dict, train,
+                   reuse: bool) -> tuple[dict, bool]:
+  """``(final, trained)``: with ``reuse``, the ``final.json`` of a run in
+  ``run_dir`` that finished with ``settings``; else ``train()``'s, run afresh,
+  its settings recorded (``config.json``) and its checkpoints dropped (the
+  curves suffice)."""
+  finished, recorded = run_dir / "final.json", run_dir / "config.json"
+  if (reuse and finished.exists() and recorded.exists() and
+      json.loads(recorded.read_text()) == settings):
+    return json.loads(finished.read_text()), False
+  shutil.rmtree(run_dir, ignore_errors=True)
+  final = train()
+  recorded.write_text(json.dumps(settings))
+  shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+  return final, True
 
 
 def sweep(overrides, contestant: str, lrs, seeds, root: pathlib.Path,

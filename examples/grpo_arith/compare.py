@@ -24,7 +24,7 @@ import shutil
 
 import numpy as np
 
-from examples.flax_lm.compare import parse_lrs
+from examples.flax_lm.compare import parse_lrs, reuse_or_train
 from examples.grpo_arith import config as config_lib
 from examples.grpo_arith import plots
 from examples.grpo_arith import train as train_lib
@@ -54,15 +54,9 @@ def run_one(overrides, root: pathlib.Path, optimizer: str, lr: float,
       f"train.reward={reward}", f"train.seed={seed}", f"train.name={name}",
       f"train.out_dir={run_dir}", f"train.sft_dir={root / f'sft-seed{seed}'}",
       "train.progress=false"])
-  finished = run_dir / "final.json"
-  if (reuse and finished.exists() and (run_dir / "config.json").exists() and
-      json.loads((run_dir / "config.json").read_text()) == _settings(cfg)):
-    final = json.loads(finished.read_text())
-  else:
-    shutil.rmtree(run_dir, ignore_errors=True)
-    final = train_lib.train(cfg)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # curves suffice
-    (run_dir / "config.json").write_text(json.dumps(_settings(cfg)))
+  final, trained = reuse_or_train(run_dir, _settings(cfg),
+                                  lambda: train_lib.train(cfg), reuse)
+  if trained:
     print(f"  {name}: greedy accuracy {final['sft_accuracy']:.3f} -> "
           f"{final['final_accuracy']:.3f} ({final['rollbacks']} rollbacks, "
           f"format {final['format_rate']:.2f})", flush=True)
