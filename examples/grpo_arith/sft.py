@@ -48,10 +48,11 @@ def settings(cfg: config_lib.RunConfig) -> dict:
       "completion_len": run.completion_len}))
 
 
-def batch(problems, step: int, batch_size: int, seed: int, cfg):
+def batch(problems, step: int, cfg: config_lib.RunConfig):
   """``(prompts, completions)`` of worked solutions, a function of the step."""
-  rng = np.random.default_rng([seed, step, 0])
-  chosen = [problems[i] for i in rng.integers(0, len(problems), batch_size)]
+  rng = np.random.default_rng([cfg.train.seed, step, 0])
+  chosen = [problems[i] for i in
+            rng.integers(0, len(problems), cfg.sft.batch_size)]
   return (policy.encode_prompts([p.question for p in chosen],
                                 cfg.train.prompt_width),
           policy.encode_completions([p.solution for p in chosen],
@@ -59,15 +60,15 @@ def batch(problems, step: int, batch_size: int, seed: int, cfg):
 
 
 def optimizer(cfg: config_lib.RunConfig, params, split_qkv):
-  settings = dict(optimizer=cfg.sft.optimizer, lr=cfg.sft.lr,
-                  weight_decay=0.0, clip_grad=1.0)
+  fields = dict(optimizer=cfg.sft.optimizer, lr=cfg.sft.lr, weight_decay=0.0,
+                clip_grad=1.0)
   if cfg.sft.optimizer == "muon":
-    settings.update(config_lib.EXAMPLE_MUON)
+    fields.update(config_lib.EXAMPLE_MUON)
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, cfg.sft.lr, cfg.sft.warmup_steps, max(cfg.sft.steps,
                                                  cfg.sft.warmup_steps + 1),
       end_value=0.1 * cfg.sft.lr)
-  return om.MuonConfig(**settings).build(schedule, params=params,
+  return om.MuonConfig(**fields).build(schedule, params=params,
                                          split_qkv=split_qkv)
 
 
@@ -93,8 +94,8 @@ def train(cfg: config_lib.RunConfig, graphdef, params, split_qkv):
              disable=not cfg.train.progress, mininterval=2.0)
   loss = None
   for i in bar:
-    params, opt_state, loss = step(params, opt_state, *batch(
-        problems, i, cfg.sft.batch_size, cfg.train.seed, cfg))
+    params, opt_state, loss = step(params, opt_state,
+                                   *batch(problems, i, cfg))
     if i % 20 == 0:
       bar.set_postfix(loss=f"{float(loss):.3f}")
   return params, float(loss)
