@@ -1,7 +1,9 @@
 """Every Python code block of the README and docs/ runs; the migration table
-covers every argument of optax.contrib.muon and every MuonConfig field."""
+covers every argument of optax.contrib.muon and every MuonConfig field; the
+README's `small` comparison table is the recorded one."""
 
 import inspect
+import json
 import re
 
 import optax
@@ -44,3 +46,35 @@ def test_readme_links_the_docs_and_the_notebook():
   for target in ("docs/guide.md", "docs/troubleshooting.md",
                  "colab.research.google.com", "notebooks/muon_quickstart.ipynb"):
     assert target in readme, target
+
+
+def test_readme_small_table_is_the_recorded_comparison():
+  """The `small` table quotes results/small/summary.json (compare.py's output)
+  to the digits shown: each sweep point, the best lr and the ratios."""
+  summary = json.loads((ROOT / "results" / "small" / "summary.json").read_text())
+  readme = (ROOT / "README.md").read_text()
+  section = readme.split("### Three contestants on the `small` preset")[1]
+  section = section.split("\n#")[0]
+  rows = {"AdamW": "adam", "`optax.contrib.muon`": "optax",
+          "optax_muon": "muon"}
+  seen = set()
+  for line in section.splitlines():
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    name = next((rows[k] for k in rows if cells[0].startswith(k)), None)
+    if name is None or len(cells) != 5:
+      continue
+    seen.add(name)
+    quoted = {float(lr): loss for lr, loss in
+              re.findall(r"([\d.e-]+): \**([\d.]+)", cells[1])}
+    recorded = {row["lr"]: f"{row['final_val_loss']:.3f}"
+                for row in summary["sweep"] if row["optimizer"] == name}
+    assert quoted == recorded, (name, quoted, recorded)
+    best = summary["best"][name]
+    assert best["bracketed"], name
+    assert float(cells[2]) == best["lr"], name
+    assert cells[3].strip("*") == f"{best['final_val_loss']:.3f}", name
+    if name != "adam":
+      ratios = summary["vs_adam"][name]
+      assert cells[4] == (f"{ratios['step_ratio']:.0%} "
+                          f"({ratios['flop_ratio']:.0%} of the FLOPs)"), name
+  assert seen == set(rows.values())

@@ -37,8 +37,8 @@ CONTESTANTS = {
 LABELS = {"adam": "AdamW", "muon": "optax_muon", "optax": "optax.contrib.muon"}
 SWEEPS = {"tiny": {"adam": (3e-3, 1e-2, 2e-2), "muon": (3e-3, 1e-2, 2e-2),
                    "optax": (1e-2, 2e-2, 4e-2)},
-          "small": {"adam": (1e-3, 2e-3, 4e-3), "muon": (2e-3, 4e-3, 8e-3),
-                    "optax": (1e-2, 2e-2, 4e-2)}}
+          "small": {"adam": (1e-3, 2e-3, 4e-3), "muon": (4e-3, 8e-3, 1.6e-2),
+                    "optax": (4e-3, 8e-3, 1.6e-2)}}
 SEEDS = (0, 1)
 MAX_EXTENSIONS = 3
 
