@@ -11,7 +11,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import jax  # noqa: E402
 
 from _timing import emit, quick_flag, time_once  # noqa: E402
 from examples.flax_lm import config as config_lib  # noqa: E402

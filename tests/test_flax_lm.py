@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys

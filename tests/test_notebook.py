@@ -5,7 +5,6 @@ import json
 import re
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 from conftest import ROOT
 
