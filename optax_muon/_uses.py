@@ -145,7 +145,7 @@ class Analysis:
               [union(*tags) for tags in zip(*[o[1] for o in outs])])
     if name == "scan":
       (body,) = sub
-      consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+      consts, carry = scan_operand_counts(eqn.params)
       sliced = [None if v is None else View(v.leaf, v.axes[1:])
                 for v in ins[consts + carry:]]
       body_ins = ins[:consts + carry] + sliced
@@ -176,6 +176,19 @@ class Analysis:
                               "operands the analysis cannot map"))
       return [None] * len(eqn.outvars), [union(*in_tags)] * len(eqn.outvars)
     return self.run(inner, _bind(inner, ins), _bind(inner, in_tags))
+
+
+def scan_operand_counts(params) -> tuple[int, int]:
+  """``(consts, carry)``: how many of a ``scan``'s operands are constants and
+  how many the carry (the rest are the scanned-over ``xs``).
+
+  jax ≤ 0.10 names them ``num_consts`` / ``num_carry``; jax ≥ 0.11 packs
+  the operands as a flat tree ``ft_in`` of the three groups.
+  """
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(consts), len(carry)
 
 
 def _is_var(v) -> bool:

@@ -193,11 +193,13 @@ def infer_layout(fn, params=None, *args, output=None, **kwargs) -> Layout:
   """
   if _is_nnx_module(fn):
     from flax import nnx  # pylint: disable=import-outside-toplevel
-    model = fn
-    graphdef, state, rest = nnx.split(model, nnx.Param, ...)
-    inputs = (params,) + args
-    return _infer(lambda p, *a, **k: nnx.merge(graphdef, p, rest)(*a, **k),
-                  state, inputs, kwargs, output)
+    graphdef, state, rest = nnx.split(fn, nnx.Param, ...)
+    # The rest of the module's state (rng counts, batch statistics, caches)
+    # is traced as an input too: a forward pass that updates it then updates
+    # tracers of this trace, and the user's module is left as it was.
+    def forward(p, r, *a, **k):
+      return nnx.merge(graphdef, p, r)(*a, **k)
+    return _infer(forward, state, (rest, params) + args, kwargs, output)
   return _infer(fn, params, args, kwargs, output)
 
 

@@ -165,7 +165,11 @@ def _run_both(tree, settings, steps, jit=True):
 # Newton–Schulz on a materialized momentum vs on the one it fuses differ by
 # 1.02e-6 (one rounding of the norm, amplified ~18× by five steps). So the
 # jitted comparison allows 2e-6, and the one below without jit, where each
-# operation runs alone, asks for the same bits.
+# operation runs alone, asks for the same bits. Its tree has no two leaves
+# that we stack into one batched Newton–Schulz where optax runs them one by
+# one: from jax 0.11 on, the CPU's batched matmul of two matrices rounds
+# differently from the two matmuls (4e-6 on entries ~20), so stacking changes
+# the last bit there (the jitted comparisons above cover stacked trees).
 JIT_TOLERANCE = 2e-6
 
 
@@ -183,7 +187,7 @@ def test_random_trees_and_settings_match_optax(case):
          ns_coeffs="dion"),
 ])
 def test_without_jit_the_update_is_optax_bits(settings):
-  tree = {"w": gaussian((12, 20), 0), "t": gaussian((20, 12), 1),
+  tree = {"w": gaussian((12, 20), 0), "t": gaussian((20, 16), 1),
           "s": gaussian((2, 8, 12), 2), "b": gaussian((5,), 3),
           "c": gaussian((6, 4), 4, jnp.complex64)}
   settings = dict(learning_rate=0.02, muon_weight_dimension_numbers={

@@ -215,7 +215,10 @@ def test_three_accuracy_drops_roll_back_to_the_best_at_half_the_lr(
   assert final["best_accuracy"] == 0.6
   # the state after the rollback is step 1's params, with the lr halved
   assert records[4]["params_sha256"] == records[1]["params_sha256"]
-  assert len({records[s]["params_sha256"] for s in (1, 2, 3)}) == 3
+  # ... and not the params it rolled back from (whether steps 1..3 each move
+  # the params depends on the sampled rewards, which differ across jax
+  # versions: a group with one reward has no gradient)
+  assert records[3]["params_sha256"] != records[1]["params_sha256"]
   assert final["params_sha256"] == records[1]["params_sha256"]
   assert sorted(p.name for p in (tmp_path / "rollback" / "checkpoints")
                 .iterdir() if p.name.isdigit())[-1] == "4"

@@ -162,11 +162,19 @@ def test_cubic_schedule_skips_the_quartic_term():
 
 
 def test_traced_step_count_matches_static():
+  # The traced count runs a fori_loop with a schedule lookup, the static one
+  # its own program: XLA may fuse them differently, so they agree to fp32
+  # rounding (1.37e-6 seen on one CPU, 0 on another), held to the 1e-5 of
+  # max|X| this file asks of fp32 against the float64 iteration; one step
+  # fewer moves the result by 1.4e-3 of max|X|.
   x = _gaussian((16, 32), 10)
   traced = jax.jit(lambda x, s: om.newton_schulz(x, coefficients="polar_express",
                                                  steps=s))(x, 7)
-  np.testing.assert_allclose(traced, om.newton_schulz(
-      x, coefficients="polar_express", steps=7), atol=1e-6)
+  static = om.newton_schulz(x, coefficients="polar_express", steps=7)
+  exact = _reference_ns(x, om.coefficient_schedule("polar_express", 7))
+  scale = np.abs(exact).max()
+  np.testing.assert_allclose(traced, exact, atol=1e-5 * scale)
+  np.testing.assert_allclose(traced, static, atol=1e-5 * scale)
 
 
 GRAM_CASES = [(name, steps) for name in sorted(om.COEFFICIENT_SETS)

@@ -1,0 +1,199 @@
+"""infer_layout on the programs of every supported jax and on NNX models
+whose forward pass updates their own state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import optax_muon as om
+from optax_muon import _uses
+from conftest import gaussian
+
+MDN = om.MuonDimensionNumbers
+
+
+def _scanned_mlp(params, x):
+  step = lambda h, w: (jnp.tanh(h @ w), None)
+  return jax.lax.scan(step, x, params["w"])[0] @ params["head"]
+
+
+def test_a_scan_over_stacked_layers_is_read_on_this_jax():
+  # jax >= 0.11 replaced the scan's num_consts/num_carry by ft_in
+  layout = om.infer_layout(_scanned_mlp, {"w": jnp.zeros((3, 8, 8)),
+                                          "head": jnp.zeros((8, 4))},
+                           jnp.ones((2, 8)))
+  assert layout.roles == {"w": "matrix", "head": "head"}
+  assert layout.dimension_numbers["w"] == MDN((1,), (2,))
+  assert layout.labels == {"w": "muon", "head": "adam"}
+
+
+def test_scan_operand_counts_split_consts_carry_and_xs():
+  const = jnp.ones((4,))
+
+  def two_carries(x, xs):
+    def body(carry, pair):
+      a, b = carry
+      u, v = pair
+      return (a + u * const, b * v), a
+    return jax.lax.scan(body, (x, x), (xs, xs))
+
+  jaxpr = jax.make_jaxpr(two_carries)(jnp.ones(4), jnp.ones((3, 4))).jaxpr
+  (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+  assert _uses.scan_operand_counts(scan.params) == (1, 2)
+  assert len(scan.invars) == 1 + 2 + 2
+
+
+def test_a_closed_over_layer_inside_a_scan_body_is_a_const():
+  # the weight enters the scan as a constant, the stacked one as xs
+  def f(params, x):
+    step = lambda h, w: (jnp.tanh((h @ params["shared"]) @ w), None)
+    return jax.lax.scan(step, x, params["w"])[0]
+
+  layout = om.infer_layout(f, {"w": jnp.zeros((3, 8, 8)),
+                               "shared": jnp.zeros((8, 8))},
+                           jnp.ones((2, 8)), output=lambda out: ())
+  assert layout.dimension_numbers == {"w": MDN((1,), (2,)),
+                                      "shared": MDN((0,), (1,))}
+
+
+class DropoutMLP(nnx.Module):
+
+  def __init__(self, rngs):
+    self.a = nnx.Linear(8, 16, rngs=rngs)
+    self.drop = nnx.Dropout(0.1, rngs=rngs)
+    self.b = nnx.Linear(16, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.b(self.drop(jax.nn.relu(self.a(x))))
+
+
+def _non_params(model):
+  return jax.tree.map(np.asarray, nnx.state(model, nnx.Not(nnx.Param)),
+                      is_leaf=lambda x: isinstance(x, jax.Array))
+
+
+def _same(before, after):
+  key_data = lambda x: (jax.random.key_data(x) if jnp.issubdtype(
+      x.dtype, jax.dtypes.prng_key) else x)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(key_data(a),
+                                                          key_data(b)),
+               before, after)
+
+
+def test_a_model_with_active_dropout_is_traced_and_left_unchanged():
+  model = DropoutMLP(nnx.Rngs(0, dropout=1))
+  before = nnx.state(model, nnx.RngState)
+  count = int(model.drop.rngs.count[...])
+  layout = om.infer_layout(model, jnp.ones((2, 8)))
+  assert layout.roles["a"]["kernel"] == "matrix"
+  assert layout.roles["b"]["kernel"] == "head"
+  assert int(model.drop.rngs.count[...]) == count
+  _same(before, nnx.state(model, nnx.RngState))
+
+
+class BatchNormMLP(nnx.Module):
+
+  def __init__(self, rngs):
+    self.a = nnx.Linear(8, 16, rngs=rngs)
+    self.norm = nnx.BatchNorm(16, use_running_average=False, rngs=rngs)
+    self.b = nnx.Linear(16, 16, rngs=rngs)
+    self.head = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jax.nn.relu(self.b(self.norm(self.a(x)))))
+
+
+def test_batch_norm_in_train_mode_keeps_the_users_statistics():
+  model = BatchNormMLP(nnx.Rngs(0))
+  model.norm.mean[...] = jnp.arange(16.0)  # statistics a call would move
+  before = _non_params(model)
+  layout = om.infer_layout(model, gaussian((4, 8)))
+  assert layout.roles["a"]["kernel"] == "matrix"
+  assert layout.roles["b"]["kernel"] == "matrix"
+  assert layout.roles["head"]["kernel"] == "head"
+  assert layout.roles["norm"]["scale"] == "vector"
+  _same(before, _non_params(model))
+
+
+class RoutingBias(nnx.Variable):
+  pass
+
+
+class Router(nnx.Module):
+
+  def __init__(self):
+    self.bias = RoutingBias(jnp.zeros((4,)))
+
+
+class BiasUpdatingMoE(nnx.Module):
+  """A forward pass that updates a sub-module's state with ``nnx.update``,
+  as auxiliary-loss-free MoE routing does with its bias."""
+
+  def __init__(self, rngs):
+    self.gate = nnx.Linear(8, 4, rngs=rngs)
+    self.router = Router()
+    self.up = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    scores = self.gate(x) + self.router.bias[...]
+    load = jax.nn.softmax(scores).mean(axis=0)
+    nnx.update(self.router, nnx.State({"bias": self.router.bias[...] -
+                                        0.01 * (load - 0.25)}))
+    return self.up(x * jax.nn.sigmoid(scores.max(axis=-1, keepdims=True)))
+
+
+def test_a_forward_pass_that_calls_nnx_update_is_traced():
+  model = BiasUpdatingMoE(nnx.Rngs(0))
+  model(jnp.ones((2, 8)))  # the update works eagerly: the bias moves
+  assert float(jnp.abs(model.router.bias[...]).max()) > 0
+  before = _non_params(model)
+  layout = om.infer_layout(model, gaussian((2, 8)))
+  assert layout.roles["gate"]["kernel"] == "matrix"
+  assert layout.roles["up"]["kernel"] == "head"
+  assert "router" not in layout.roles  # not an nnx.Param: not optimized
+  _same(before, _non_params(model))
+
+
+def _in_shard_map(f):
+  mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+  spec = jax.sharding.PartitionSpec()
+  return lambda w, h: jax.shard_map(f, mesh=mesh, in_specs=(spec, spec),
+                                    out_specs=spec)(w, h)
+
+
+def _in_fori(f):  # a traced trip count: a while loop
+  return lambda w, h: jax.lax.fori_loop(0, jnp.int32(h.shape[0]) * 0 + 2,
+                                        lambda i, a: f(w, a), h)
+
+
+@jax.custom_vjp
+def _custom(w, h):
+  return h @ w
+
+
+_custom.defvjp(lambda w, h: (h @ w, (w, h)),
+               lambda res, g: (res[1].T @ g, g @ res[0].T))
+
+WRAPPERS = {
+    "jit": jax.jit,
+    "remat": jax.checkpoint,
+    "cond": lambda f: lambda w, h: jax.lax.cond(h[0, 0] > 0, f, f, w, h),
+    "while": _in_fori,
+    "shard_map": _in_shard_map,
+    "custom_vjp": lambda f: _custom,
+}
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+def test_a_matmul_inside_each_sub_program_is_read(wrapper):
+  inner = WRAPPERS[wrapper](lambda w, h: h @ w)
+
+  def f(params, x):
+    return inner(params["w"], x) @ params["head"]
+
+  layout = om.infer_layout(f, {"w": jnp.zeros((8, 8)),
+                               "head": jnp.zeros((8, 4))}, jnp.ones((2, 8)))
+  assert layout.roles == {"w": "matrix", "head": "head"}, layout.reasons
+  assert layout.dimension_numbers["w"] == MDN((0,), (1,))
