@@ -53,9 +53,17 @@ def known_paths(tree) -> set[Path]:
   return {p[:end] for p in leaves for end in range(len(p) + 1)}
 
 
+def _sample(known: set[Path], count: int = 3) -> str:
+  leaves = sorted(p for p in known
+                  if not any(q[:len(p)] == p and q != p for q in known))
+  shown = [path_string(p) for p in leaves[:count]]
+  return f"{len(leaves)} leaves, e.g. {shown}" if leaves else "no leaves"
+
+
 def check_paths_known(name: str, paths: Iterable[Path], tree) -> None:
   """Raises ValueError naming any of ``paths`` that is no path of ``tree``,
-  with the nearest existing ones (compared ignoring case)."""
+  with the nearest existing ones (compared ignoring case), or, when none is
+  near, what the tree does hold."""
   known = known_paths(tree)
   for path in paths:
     if path not in known:
@@ -63,47 +71,93 @@ def check_paths_known(name: str, paths: Iterable[Path], tree) -> None:
       by_lower = {path_string(p).lower(): path_string(p) for p in known if p}
       nearest = difflib.get_close_matches(text.lower(), sorted(by_lower), n=3,
                                           cutoff=0.3)
-      raise ValueError(
-          f"{name} names {text!r}, which is no parameter path; nearest "
-          f"existing paths: {[by_lower[p] for p in nearest]}")
+      hint = (f"nearest existing paths: {[by_lower[p] for p in nearest]}"
+              if nearest else f"the optimizer sees {_sample(known)}")
+      raise ValueError(f"{name} names {text!r}, which is no parameter path; "
+                       f"{hint}")
+
+
+def is_function(value) -> bool:
+  """Whether a settings argument is to be called on the params: a function,
+  not a pytree that happens to be callable (an Equinox ``Module``, a Flax
+  struct) — those are settings trees."""
+  if isinstance(value, jax.tree_util.Partial):
+    return True
+  return callable(value) and jax.tree_util.treedef_is_leaf(
+      jax.tree.structure(value))
+
+
+class FromLayout:
+  """A settings tree that may describe more leaves than a transform sees
+  (a whole model's layout for an optimizer of its adapters): its entries are
+  looked up by path and those no leaf has are ignored."""
+
+  def __init__(self, tree):
+    self.tree = tree
+
+
+def _type_name(types) -> str:
+  types = types if isinstance(types, tuple) else (types,)
+  return "a " + " or ".join(
+      f"{t.__module__.split('._')[0]}.{t.__qualname__}"
+      if t.__module__ != "builtins" else t.__name__ for t in types)
 
 
 class PathLookup:
-  """Per-leaf settings given once for all, as a tree, or as a callable.
+  """Per-leaf settings given once for all, as a tree, or as a function.
 
   ``single_type`` values apply to every leaf; a tree (a prefix of the params
-  allowed) is read by path; a callable is called on the tree a transform sees.
-  Leaves the tree does not name get ``default``.
+  allowed; ``None`` nodes are empty subtrees) is read by path; a function is
+  called on the tree a transform sees, a callable pytree is a tree. A
+  ``FromLayout`` tree may name paths the transform does not see; any other
+  tree may not. Leaves the tree does not name get ``default``. A tree's
+  entries of another type raise ``TypeError`` here, a function's when
+  called.
   """
 
   def __init__(self, name: str, spec, single_type: type | tuple[type, ...],
-               default=None):
+               default=None, type_name: str | None = None):
     self._name = name
-    self._spec = spec
+    self._strict = not isinstance(spec, FromLayout)
+    self._spec = spec.tree if isinstance(spec, FromLayout) else spec
     self._single_type = single_type
     self._default = default
+    self._type_name = type_name or _type_name(single_type)
+    if not self._is_function() and not self._is_single(self._spec):
+      self._table(self._spec)
+
+  def _is_function(self) -> bool:
+    return is_function(self._spec) and not isinstance(self._spec,
+                                                      self._single_type)
+
+  def _is_single(self, spec) -> bool:
+    return spec is None or isinstance(spec, self._single_type)
+
+  def _table(self, spec) -> dict:
+    is_leaf = lambda x: isinstance(x, self._single_type)
+    table = dict(leaves_with_paths(spec, is_leaf=is_leaf)[0])
+    for path, value in table.items():
+      if not isinstance(value, self._single_type):
+        where = f" at {path_string(path)}" if path else ""
+        raise TypeError(
+            f"{self._name}{where} is {value!r}, not {self._type_name}; "
+            "accepted: one for all leaves, a tree of them (None: no entry) "
+            "or a function of the params returning such a tree")
+    return table
 
   def resolve(self, tree) -> Callable[[Path], Any]:
-    spec = self._spec(tree) if callable(self._spec) and not isinstance(
-        self._spec, self._single_type) else self._spec
-    if spec is None or isinstance(spec, self._single_type):
+    spec = self._spec(tree) if self._is_function() else self._spec
+    if self._is_single(spec):
       value = self._default if spec is None else spec
       return lambda path: value
-    is_leaf = lambda x: x is None or isinstance(x, self._single_type)
-    table = dict(leaves_with_paths(spec, is_leaf=is_leaf)[0])
-    check_paths_known(self._name, table, tree)
-    for path, value in table.items():
-      if value is not None and not isinstance(value, self._single_type):
-        raise ValueError(
-            f"{self._name} at {path_string(path) or '<root>'} is {value!r}; "
-            f"accepted: {self._single_type} or None, one for all leaves, "
-            "a tree of them or a callable returning such a tree")
+    table = self._table(spec)
+    if self._strict:
+      check_paths_known(self._name, table, tree)
 
     def lookup(path: Path):
       for end in range(len(path), -1, -1):
         if path[:end] in table:
-          value = table[path[:end]]
-          return self._default if value is None else value
+          return table[path[:end]]
       return self._default
 
     return lookup

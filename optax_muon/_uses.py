@@ -50,13 +50,23 @@ def union(*sets) -> frozenset:
 
 
 class Analysis:
-  """One walk over a jaxpr: each leaf's uses and each value's last matmuls."""
+  """One walk over a jaxpr: each leaf's uses and each value's last matmuls.
+
+  Leaves ``0 .. count-1`` are the params; higher leaf numbers are frozen
+  weights (closed-over constants, the model's other state): their uses are
+  not recorded, but a matmul with one ends a head path as a param's does.
+  """
 
   def __init__(self, count: int):
+    self.count = count
     self.uses: list[set[Use]] = [set() for _ in range(count)]
 
   def use(self, view: View, use: Use) -> None:
-    self.uses[view.leaf].add(use)
+    if view.leaf < self.count:
+      self.uses[view.leaf].add(use)
+
+  def _params(self, leaves) -> frozenset[int]:
+    return frozenset(leaf for leaf in leaves if leaf < self.count)
 
   def run(self, jaxpr, views: dict, tags: dict):
     """Walks ``jaxpr`` (a core.Jaxpr) with the given input views and tags;
@@ -92,7 +102,7 @@ class Analysis:
           self.use(view, Use("dot", _axes(view, contracting),
                               _axes(view, free)))
           leaves.add(view.leaf)
-      return [None], [frozenset(leaves) if leaves else in_tags]
+      return [None], [self._params(leaves) if leaves else in_tags]
     if name == "ragged_dot_general" and ins[1] is not None:
       numbers = eqn.params["ragged_dot_dimension_numbers"]
       (_, contracting), (_, batch) = numbers.dot_dimension_numbers
@@ -100,7 +110,7 @@ class Analysis:
       free = [a for a in range(len(view.axes))
               if a not in contracting + batch + group]
       self.use(view, Use("dot", _axes(view, contracting), _axes(view, free)))
-      return [None], [frozenset({view.leaf})]  # the group axis: a batch axis
+      return [None], [self._params({view.leaf})]  # the group axis: batch
     if name == "conv_general_dilated" and ins[1] is not None:
       view = ins[1]
       spec = eqn.params["dimension_numbers"].rhs_spec  # (out, in, *spatial)
@@ -109,7 +119,7 @@ class Analysis:
       else:
         self.use(view, Use("conv", _axes(view, spec[1:]),
                             _axes(view, spec[:1])))
-      return [None], [frozenset({view.leaf})]
+      return [None], [self._params({view.leaf})]
     if name == "dynamic_slice" and ins[0] is not None:
       return [ins[0]], [in_tags]  # w[i]: a later squeeze drops the axis
     if name == "gather" and ins[0] is not None:
@@ -120,6 +130,10 @@ class Analysis:
                 in_tags]
       self.use(ins[0], Use("gather"))
       return plain
+    if name == "concatenate" and sum(v is not None for v in ins) == 1:
+      # each operand is a slice of the result along the joined axis
+      (view,) = [v for v in ins if v is not None]
+      return [view], [in_tags]
     if name in VIEW_OPS and ins[0] is not None and not any(ins[1:]):
       view = VIEW_OPS[name](ins[0], eqn)
       if view is not None:
@@ -288,4 +302,5 @@ VIEW_OPS: dict[str, Callable] = {
     **{name: (lambda view, eqn: view) for name in _SAME_AXES},
     "transpose": _transpose, "reshape": _reshape, "squeeze": _squeeze,
     "expand_dims": _expand, "broadcast_in_dim": _broadcast, "slice": _slice,
+    "pad": _slice,  # a padded leaf keeps its axes, like a slice
 }

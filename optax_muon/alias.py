@@ -53,8 +53,8 @@ def scale_by_muon(*, beta=0.95, nesterov: bool = True,
                   method: str = "standard", scale_mode: str = "spectral",
                   extra_scale_factor=None, match_adamw_update_rms: bool = False,
                   adamw_beta1=0.9, dimension_numbers=None, split_qkv=None,
-                  sharding=None, preconditioning: str = "frobenius"
-                  ) -> optax.GradientTransformation:
+                  sharding=None, preconditioning: str = "frobenius",
+                  layout=None) -> optax.GradientTransformation:
   r"""Muon's direction: momentum, orthogonalized, scaled by shape.
 
   For each matrix ``G`` (``fan_in × fan_out``) of each leaf::
@@ -81,11 +81,17 @@ def scale_by_muon(*, beta=0.95, nesterov: bool = True,
     extra_scale_factor: factor after the shape scale, > 0; default 1.0.
     match_adamw_update_rms: derive the factor from ``adamw_beta1`` instead.
     adamw_beta1: AdamW's β₁ for ``match_adamw_update_rms``.
-    dimension_numbers: ``MuonDimensionNumbers``, a tree of them or a callable.
+    dimension_numbers: ``MuonDimensionNumbers``, a tree of them or a function
+      of the params; ``"leading"``: leading axes batch, last two ``(in, out)``.
+      Without them a leaf of 3+ axes raises at ``init`` (2-axis leaves are
+      ``(in, out)``).
     split_qkv: ``SplitQKV``, a tree of them or a callable.
     sharding: ``None`` or a ``TensorParallel``.
     preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"`` or
       ``"schatten"`` (see ``orthogonalize``).
+    layout: an ``om.Layout`` (``om.infer_layout``): its dimension numbers,
+      looked up by path (it may cover more leaves than this transform sees);
+      not together with ``dimension_numbers``.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -102,6 +108,7 @@ def scale_by_muon(*, beta=0.95, nesterov: bool = True,
                        momentum_lib.MOMENTUM_STYLES)
   _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
   momentum_lib.canonical_dtype("mu_dtype", mu_dtype)
+  _, dimension_numbers = from_layout(layout, None, dimension_numbers)
   extra = resolve_extra_scale_factor(extra_scale_factor, match_adamw_update_rms,
                                      adamw_beta1)
   layout_args = dict(dimension_numbers=dimension_numbers, split_qkv=split_qkv,
@@ -118,6 +125,52 @@ def scale_by_muon(*, beta=0.95, nesterov: bool = True,
   )
 
 
+def from_layout(layout, labels, dimension_numbers):
+  """``(labels, dimension_numbers)`` from ``layout=``, or as given.
+
+  Raises:
+    ValueError: ``layout`` together with ``labels`` or ``dimension_numbers``.
+    TypeError: a ``layout`` that is not an ``om.Layout``.
+  """
+  if layout is None:
+    return labels, dimension_numbers
+  given = [name for name, value in (("labels", labels),
+                                    ("dimension_numbers", dimension_numbers))
+           if value is not None]
+  if given:
+    raise ValueError(
+        f"layout= gives the labels and dimension numbers, but {given[0]}= was "
+        "also set; pass layout= alone, or labels=/dimension_numbers= without "
+        "layout=")
+  if not (hasattr(layout, "labels") and hasattr(layout, "dimension_numbers")):
+    raise TypeError(f"layout must be an om.Layout (from om.infer_layout), got "
+                    f"{type(layout).__name__}")
+  return (_paths.FromLayout(layout.labels),
+          _paths.FromLayout(layout.dimension_numbers))
+
+
+def _matrices_only(params):
+  """The default weight-decay mask of the AdamW group: leaves of 2+ axes
+  (embeddings, heads) decay; norm scales, biases and other vectors do not."""
+  return jax.tree.map(lambda x: jax.numpy.ndim(x) >= 2, params)
+
+
+def in_params_dtype(inner: optax.GradientTransformation
+                    ) -> optax.GradientTransformation:
+  """``inner`` with each update leaf cast to its parameter's dtype (Muon's
+  float32 momentum would otherwise give float32 updates to bfloat16
+  params); the state is ``inner``'s own, so checkpoints are unchanged."""
+
+  def update_fn(updates, state, params=None):
+    updates, state = inner.update(updates, state, params)
+    if params is not None:
+      updates = jax.tree.map(lambda u, p: u.astype(jax.numpy.result_type(p)),
+                             updates, params)
+    return updates, state
+
+  return optax.GradientTransformation(inner.init, update_fn)
+
+
 def _mask_by_path(name, mask):
   """A weight-decay mask tree made readable on the partitioned (masked) tree."""
   if mask is None or callable(mask):
@@ -132,7 +185,10 @@ def _mask_by_path(name, mask):
   return resolved
 
 
-def _check_learning_rate(name, value):
+def _check_learning_rate(name, value, optional=False):
+  if value is None and not optional:
+    raise ValueError(f"{name}=None is not accepted; accepted: a float >= 0 or "
+                     "an optax schedule")
   if value is not None and not callable(value):
     _checks.check_range(name, value, 0.0, np.inf)
 
@@ -146,7 +202,8 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
          weight_decay_mask=None, labels=None, scalar_optimizer: str = "adam",
          adam_learning_rate=None, adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,
          adam_weight_decay=0.0, adam_weight_decay_mask=None,
-         preconditioning: str = "frobenius") -> optax.GradientTransformation:
+         preconditioning: str = "frobenius",
+         layout=None) -> optax.GradientTransformation:
   r"""Muon for the matrices, AdamW (or Lion) for everything else.
 
   Muon leaves: ``p ← p − lr · (scale_by_muon(g) + weight_decay · p)``
@@ -154,9 +211,11 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
   The other leaves get ``optax.adamw`` (or ``optax.lion``) with their own
   learning rate, betas, eps, weight decay and mask; ``"none"`` leaves (not
   floating point, or frozen) get a zero update (``optax.set_to_zero``) and no
-  state. Routing is ``labels``: ``None`` uses ``default_labels``; a tree (by
-  path, a prefix allowed) or callable of ``"muon"`` / ``"adam"`` / ``"none"``
-  overrides it.
+  state. Every update leaf has its parameter's dtype. Routing is ``layout``
+  (``om.infer_layout``'s labels and dimension numbers: the one path for
+  models of 3+-axis kernels) or ``labels``: ``None`` uses
+  ``default_labels``; a tree (by path, a prefix allowed) or function of
+  ``"muon"`` / ``"adam"`` / ``"none"`` overrides it.
 
   Args:
     learning_rate: Muon's learning rate, a float or an optax schedule.
@@ -173,7 +232,12 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
     adam_learning_rate: their learning rate (default: ``learning_rate``).
     adam_b1, adam_b2, adam_eps: their betas and eps.
     adam_weight_decay: their decoupled weight decay.
-    adam_weight_decay_mask: tree (by path) or callable of bools for it.
+    adam_weight_decay_mask: tree (by path) or callable of bools for it;
+      default: leaves of 2+ axes (not norm scales, biases, other vectors).
+    layout: an ``om.Layout`` from ``om.infer_layout``: labels and dimension
+      numbers, looked up by path (a whole model's layout serves an optimizer
+      of a subset, e.g. ``wrt=nnx.LoRAParam``); not with ``labels`` or
+      ``dimension_numbers``.
 
   Returns:
     An ``optax.GradientTransformation`` (``optax.partition`` of the two).
@@ -182,7 +246,8 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
     Jordan et al., `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024
   """
   _check_learning_rate("learning_rate", learning_rate)
-  _check_learning_rate("adam_learning_rate", adam_learning_rate)
+  _check_learning_rate("adam_learning_rate", adam_learning_rate, optional=True)
+  labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
   _checks.check_choice("scalar_optimizer", scalar_optimizer, SCALAR_OPTIMIZERS)
   _checks.check_range("weight_decay", weight_decay, 0.0, np.inf)
   _checks.check_range("adam_weight_decay", adam_weight_decay, 0.0, np.inf)
@@ -203,8 +268,9 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
       optax.scale_by_learning_rate(learning_rate),
   )
   scalar_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
-  scalar_mask = _mask_by_path("adam_weight_decay_mask",
-                              adam_weight_decay_mask)
+  scalar_mask = (_matrices_only if adam_weight_decay_mask is None else
+                 _mask_by_path("adam_weight_decay_mask",
+                               adam_weight_decay_mask))
   if scalar_optimizer == "adam":
     scalar_chain = optax.adamw(scalar_lr, b1=adam_b1, b2=adam_b2, eps=adam_eps,
                                weight_decay=adam_weight_decay, mask=scalar_mask)
@@ -212,6 +278,6 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
     scalar_chain = optax.lion(scalar_lr, b1=adam_b1, b2=adam_b2,
                               weight_decay=adam_weight_decay, mask=scalar_mask)
   return optax.partition(
-      {labels_lib.MUON: muon_chain, labels_lib.ADAM: scalar_chain,
-       labels_lib.NONE: optax.set_to_zero()},
+      {labels_lib.MUON: in_params_dtype(muon_chain),
+       labels_lib.ADAM: scalar_chain, labels_lib.NONE: optax.set_to_zero()},
       labels_lib.label_fn(labels))

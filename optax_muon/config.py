@@ -22,7 +22,7 @@ from optax_muon import _checks
 from optax_muon import _paths
 from optax_muon import alias
 from optax_muon import coefficients
-from optax_muon import layout
+from optax_muon import layout as layout_lib
 from optax_muon import momentum
 from optax_muon import newton_schulz
 from optax_muon import qk_clip as qk_clip_lib
@@ -180,8 +180,9 @@ class MuonConfig:
     return self.muon_tp_mode or "blockwise"
 
   def build(self, learning_rate=None, *, params=None, mesh=None,
-            split_qkv: layout.SplitQKV | None = None, labels=None,
-            specs=None, attention=None) -> optax.GradientTransformation:
+            split_qkv: layout_lib.SplitQKV | None = None, labels=None,
+            specs=None, attention=None, layout=None, dimension_numbers=None,
+            tp_axis: str = "model") -> optax.GradientTransformation:
     """The optimizer: global-norm clip, then AdamW or Muon + AdamW, then
     QK-clip when ``qk_clip``.
 
@@ -199,6 +200,11 @@ class MuonConfig:
         meshes with Auto axes), e.g. ``nnx.get_partition_spec(state)``.
       attention: where the attention kernels are, for ``qk_clip`` (the
         ``attention`` argument of ``optax_muon.qk_clip``); unused without.
+      layout: an ``om.Layout`` from ``om.infer_layout`` (labels and
+        dimension numbers); not with ``labels`` or ``dimension_numbers``.
+      dimension_numbers: as in ``muon``.
+      tp_axis: the mesh axis that ``muon_tp_mode`` runs over (any name:
+        ``"model"``, Tunix's ``"tp"``, ...).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -222,9 +228,9 @@ class MuonConfig:
     sharding = None
     if mesh is not None:
       axes = list(mesh.axis_names)
-      if "model" not in axes:
-        raise ValueError(f"muon_tp_mode needs a mesh axis named 'model'; the "
-                         f"mesh has {axes}")
+      if tp_axis not in axes:
+        raise ValueError(f"tp_axis={tp_axis!r} is not an axis of the mesh; "
+                         f"accepted values: {axes}")
       distribute = None
       if self.use_layer_wise_distributed_optimizer:
         if "data" not in axes:
@@ -232,7 +238,7 @@ class MuonConfig:
                            f"mesh axis named 'data'; the mesh has {axes}")
         distribute = "data"
       sharding = sharding_lib.TensorParallel(
-          mesh, "model", self.tp_mode, specs=specs,
+          mesh, tp_axis, self.tp_mode, specs=specs,
           distribute_over=distribute)
     elif self.use_layer_wise_distributed_optimizer:
       raise ValueError("use_layer_wise_distributed_optimizer=True needs a mesh "
@@ -258,7 +264,8 @@ class MuonConfig:
         extra_scale_factor=self.muon_extra_scale_factor,
         match_adamw_update_rms=self.muon_match_adamw_update_rms,
         split_qkv=split, sharding=sharding, weight_decay=self.weight_decay,
-        weight_decay_mask=decay_mask, labels=labels,
+        weight_decay_mask=decay_mask, labels=labels, layout=layout,
+        dimension_numbers=dimension_numbers,
         scalar_optimizer=self.muon_scalar_optimizer,
         adam_learning_rate=adam_lr, adam_b1=b1, adam_b2=b2,
         adam_eps=self.eps, adam_weight_decay=self.weight_decay,
@@ -275,7 +282,7 @@ class MuonConfig:
 
 def _check_no_fused_qkv(params) -> None:
   """Raises when ``SplitQKV``'s default pattern finds fused QKV matrices."""
-  pattern = layout.SplitQKV.pattern
+  pattern = layout_lib.SplitQKV.pattern
   leaves, _ = _paths.leaves_with_paths(params)
   fused = [_paths.path_string(p) for p, leaf in leaves
            if _paths.matches([pattern], p) and jax.numpy.ndim(leaf) >= 2]

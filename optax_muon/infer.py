@@ -33,8 +33,10 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from optax_muon import _checks
 from optax_muon import _paths
 from optax_muon import _uses
+from optax_muon import alias
 from optax_muon import labels as labels_lib
 from optax_muon import layout as layout_lib
 from optax_muon import scaling
@@ -137,13 +139,17 @@ def _decide(path, leaf, uses: set, heads: set, index: int, vocab: set):
   return role, labels_lib.MUON, dims, reason
 
 
-def _infer(fn, params, args, kwargs, output) -> Layout:
+def _infer(fn, params, args, kwargs, output, frozen_args: int = 0) -> Layout:
+  """``frozen_args``: how many of ``args`` are frozen weights (the module's
+  other state), seen, like closed-over constants, as weights, not inputs."""
   leaves, treedef = _paths.leaves_with_paths(params)
   jaxpr, out_shape = _trace(fn, params, args, kwargs)
   analysis = _uses.Analysis(len(leaves))
+  frozen = len(jax.tree.leaves(args[:frozen_args]))
+  weights = jaxpr.invars[:len(leaves) + frozen] + list(jaxpr.constvars)
   views = {var: _uses.View(i, tuple(frozenset({a}) for a in range(len(
-      jnp.shape(leaf))))) for i, (var, (_, leaf)) in enumerate(
-          zip(jaxpr.invars, leaves))}
+      var.aval.shape)))) for i, var in enumerate(weights)
+           if hasattr(var.aval, "shape")}
   _, out_tags = analysis.run(jaxpr, views, {})
   heads = _uses.union(*[out_tags[i]
                         for i in _selected_outputs(out_shape, output)])
@@ -169,15 +175,17 @@ def _infer(fn, params, args, kwargs, output) -> Layout:
                               in rows]))
 
 
-def infer_layout(fn, params=None, *args, output=None, **kwargs) -> Layout:
+def infer_layout(fn, params=None, *args, output=None, wrt=None,
+                 **kwargs) -> Layout:
   """Reads which leaves are matrices, and how, from the model's computation.
 
   Traces ``fn(params, *args, **kwargs)`` with ``jax.make_jaxpr`` (nothing is
   computed) and follows each parameter leaf to the operations that use it
   (see the module docstring). A ``flax.nnx.Module`` may be passed as ``fn``:
   ``infer_layout(model, *args)`` traces ``model(*args)`` over
-  ``nnx.state(model, nnx.Param)``, and the trees line up with what
-  ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` hands the transform.
+  ``nnx.state(model, wrt)`` (the rest of its state, rng counts and batch
+  statistics, traced too and left unchanged), and the trees line up with
+  what ``nnx.Optimizer(model, tx, wrt=wrt)`` hands the transform.
 
   Args:
     fn: ``fn(params, *args, **kwargs)``, or an ``nnx.Module``.
@@ -186,20 +194,38 @@ def infer_layout(fn, params=None, *args, output=None, **kwargs) -> Layout:
     *args: the other inputs (arrays or shape structs).
     output: which of ``fn``'s outputs is "the output" for head detection:
       ``None`` (the first), an index, or a callable on the outputs.
+    wrt: for a module, the NNX filter of the state the optimizer trains
+      (default ``nnx.Param``; ``nnx.LoRAParam`` for adapters): the other
+      state is treated as constants of the program.
     **kwargs: keyword inputs of ``fn``.
 
   Returns:
-    A ``Layout``; ``print(layout)`` shows the routing table.
+    A ``Layout``; ``print(layout)`` shows the routing table, and
+    ``om.muon(lr, layout=layout)`` uses it.
+
+  Raises:
+    ValueError: a module without inputs, or ``wrt`` without a module.
   """
   if _is_nnx_module(fn):
     from flax import nnx  # pylint: disable=import-outside-toplevel
-    graphdef, state, rest = nnx.split(fn, nnx.Param, ...)
-    # The rest of the module's state (rng counts, batch statistics, caches)
-    # is traced as an input too: a forward pass that updates it then updates
-    # tracers of this trace, and the user's module is left as it was.
+    if params is None and not args and not kwargs:
+      raise ValueError(
+          f"infer_layout({type(fn).__name__}) traces the model on inputs and "
+          "got none; pass an example batch: om.infer_layout(model, batch) "
+          "(arrays or jax.ShapeDtypeStruct)")
+    graphdef, state, rest = nnx.split(fn, nnx.Param if wrt is None else wrt,
+                                      ...)
+    # The rest of the module's state (rng counts, batch statistics, caches,
+    # frozen weights) is traced as an input too: a forward pass that updates
+    # it then updates tracers of this trace, and the user's module is left
+    # as it was.
     def forward(p, r, *a, **k):
       return nnx.merge(graphdef, p, r)(*a, **k)
-    return _infer(forward, state, (rest, params) + args, kwargs, output)
+    return _infer(forward, state, (rest, params) + args, kwargs, output,
+                  frozen_args=1)
+  if wrt is not None:
+    raise ValueError("wrt= selects the state of an nnx.Module; for a function "
+                     "pass the trained params as params")
   return _infer(fn, params, args, kwargs, output)
 
 
@@ -209,9 +235,10 @@ def _is_nnx_module(value) -> bool:
              for c in type(value).__mro__)
 
 
-def _table(rows) -> str:
+def _table(rows, scale_of=scaling.scale_factor) -> str:
   """One aligned line per leaf: path, shape, role, optimizer, matrices,
-  scale (spectral), and the rule that decided when rows carry one."""
+  scale (``scale_of(fan_out, fan_in)``, spectral by default), and the rule
+  that decided when rows carry one."""
   header = ("path", "shape", "role", "optimizer", "matrices", "scale", "rule")
   lines = []
   for path, leaf, role, label, view, *reason in rows:
@@ -223,7 +250,7 @@ def _table(rows) -> str:
       pieces = view.matrix_shapes
       matrices = " + ".join(f"{count} × {fan_in} × {fan_out}"
                             for fan_in, fan_out in pieces)
-      scale = " + ".join(f"{scaling.scale_factor(fan_out, fan_in):.3g}"
+      scale = " + ".join(f"{scale_of(fan_out, fan_in):.3g}"
                          for fan_in, fan_out in pieces)
     lines.append((_paths.path_string(path), shape, role, label, matrices,
                   scale, *reason))
@@ -233,20 +260,33 @@ def _table(rows) -> str:
                    .rstrip() for line in lines)
 
 
-def describe(params, *, labels=None, dimension_numbers=None,
-             split_qkv=None) -> str:
+def describe(params, *, labels=None, dimension_numbers=None, split_qkv=None,
+             layout=None, scale_mode: str = "spectral",
+             match_adamw_update_rms: bool = False, extra_scale_factor=None,
+             adam_b1=0.9) -> str:
   """The routing table for the given ``om.muon`` settings (defaults
   included): what each leaf gets before training starts.
 
   Args:
     params: the parameter tree (arrays, shape structs or ``nnx.State``).
-    labels, dimension_numbers, split_qkv: as in ``om.muon``.
+    labels, dimension_numbers, split_qkv, layout, scale_mode,
+      match_adamw_update_rms, extra_scale_factor, adam_b1: as in
+      ``om.muon``.
 
   Returns:
     The table as a string: path, shape, role, optimizer, matrices as
-    ``count × fan_in × fan_out`` (one term per ``split_qkv`` piece), scale
-    (``spectral``).
+    ``count × fan_in × fan_out`` (one term per ``split_qkv`` piece), and the
+    scale each matrix's update gets (shape scale × extra factor).
+
+  Raises:
+    ValueError: what ``om.muon`` would raise at ``init`` for these settings
+      (leaves of 3+ axes without dimension numbers, unknown paths, ...).
   """
+  labels, dimension_numbers = alias.from_layout(layout, labels,
+                                                dimension_numbers)
+  _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
+  extra = alias.resolve_extra_scale_factor(extra_scale_factor,
+                                           match_adamw_update_rms, adam_b1)
   label_tree = labels_lib.label_fn(labels)(params)
   leaves, _ = _paths.leaves_with_paths(params)
   label_of = dict(_paths.leaves_with_paths(label_tree)[0])
@@ -262,4 +302,5 @@ def describe(params, *, labels=None, dimension_numbers=None,
     role = ("split qkv" if view is not None and view.widths else
             "matrix" if view is not None else "—")
     rows.append((path, leaf, role, label_of[path], view))
-  return _table(rows)
+  return _table(rows, lambda fan_out, fan_in: float(extra) * (
+      scaling.scale_factor(fan_out, fan_in, scale_mode)))

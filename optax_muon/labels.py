@@ -50,32 +50,48 @@ def is_float(leaf) -> bool:
   return jnp.issubdtype(dtype, jnp.inexact)
 
 
-def default_labels(params, *, adam_patterns: Sequence[str] = DEFAULT_ADAM_PATTERNS,
-                   muon_patterns: Sequence[str] = DEFAULT_MUON_PATTERNS):
+def default_labels(params, *, adam_patterns: Sequence[str] = (),
+                   muon_patterns: Sequence[str] = ()):
   """Labels each leaf ``"muon"``, ``"adam"`` or ``"none"`` by path, shape, dtype.
 
   A leaf that is not floating point is ``"none"``. Otherwise it is ``"muon"``
   when its path matches a ``muon_patterns`` regex, else ``"adam"`` when it is
   a vector (fewer than 2 axes, or a last-two-axes shape with a 1) or its path
-  matches an ``adam_patterns`` regex, else ``"muon"``. Patterns are searched
-  in the ``/``-joined path ignoring case; the built-in ones match whole path
-  components (``embed``, ``wte``, ``lm_head``, ``head``, ``*_norm``, ``ln_f``,
-  ``scale``, ``bias``, …). The router of an MoE is a matrix and goes to Muon
-  (as in Megatron-Core); add ``"router"`` to ``adam_patterns`` for AdamW.
+  matches a built-in or an ``adam_patterns`` regex, else ``"muon"``. Patterns
+  are searched in the ``/``-joined path ignoring case; the built-in ones
+  (``DEFAULT_ADAM_PATTERNS``) match whole path components (``embed``,
+  ``wte``, ``lm_head``, ``head``, ``*_norm``, ``ln_f``, ``scale``,
+  ``bias``, …). The router of an MoE is a matrix and goes to Muon (as in
+  Megatron-Core); ``adam_patterns=("router",)`` sends it to AdamW.
 
   Args:
     params: the parameter tree (arrays, shape structs or ``flax.nnx.State``).
-    adam_patterns: regexes for the paths that go to AdamW (they replace the
-      built-in ones: extend ``DEFAULT_ADAM_PATTERNS`` to keep those).
+    adam_patterns: more regexes for paths that go to AdamW, added to the
+      built-in ones (to replace those, pass ``labels=`` a tree or function).
     muon_patterns: regexes for the paths that go to Muon whatever their name.
 
   Returns:
     A tree like ``params`` of ``"muon"`` / ``"adam"`` / ``"none"`` strings.
 
   Raises:
-    ValueError: a ``muon_patterns`` match that is not a matrix.
+    ValueError: a pattern that matches no leaf, or a ``muon_patterns`` match
+      that is not a matrix.
   """
+  for name, patterns in (("adam_patterns", adam_patterns),
+                         ("muon_patterns", muon_patterns)):
+    if isinstance(patterns, str):
+      raise TypeError(f"{name} must be a sequence of regexes, got the single "
+                      f"string {patterns!r}; wrap it in a tuple")
   leaves, treedef = _paths.leaves_with_paths(params)
+  for name, patterns in (("adam_patterns", adam_patterns),
+                         ("muon_patterns", muon_patterns)):
+    for pattern in patterns:
+      if not any(_paths.matches([pattern], path) for path, _ in leaves):
+        raise ValueError(
+            f"{name} has {pattern!r}, which matches no parameter path; the "
+            f"params have {len(leaves)} leaves, e.g. "
+            f"{[_paths.path_string(p) for p, _ in leaves[:3]]}")
+  adam_patterns = tuple(DEFAULT_ADAM_PATTERNS) + tuple(adam_patterns)
   labels = []
   for path, leaf in leaves:
     shape = jnp.shape(leaf)
@@ -96,12 +112,12 @@ def default_labels(params, *, adam_patterns: Sequence[str] = DEFAULT_ADAM_PATTER
 
 
 def label_fn(labels) -> Callable:
-  """``labels`` (``None``, a tree or a callable) as a checked callable.
+  """``labels`` (``None``, a tree or a function) as a checked callable.
 
-  A tree (or a callable's result) is read by path, a prefix of the params
-  allowed; a path that names no parameter, a leaf left without a label, a
-  value outside ``LABELS`` and a non-float leaf given an optimizer raise
-  ``ValueError``.
+  A tree (or a function's result) is read by path, a prefix of the params
+  allowed; a path that names no parameter (except in a ``_paths.FromLayout``
+  tree), a leaf left without a label, a value outside ``LABELS`` and a
+  non-float leaf given an optimizer raise ``ValueError``.
   """
   if labels is None:
     return default_labels

@@ -142,16 +142,20 @@ def _normalize_axes(name: str, axes, ndim: int, where: str) -> tuple[int, ...]:
   return normalized
 
 
+LEADING = "leading"
+
+
 def matrix_view(shape: Sequence[int],
-                dimension_numbers: MuonDimensionNumbers | None = None,
+                dimension_numbers: MuonDimensionNumbers | str | None = None,
                 split_qkv: SplitQKV | None = None,
                 where: str = "a leaf") -> MatrixView:
   """The ``MatrixView`` of a leaf of ``shape``.
 
   Args:
     shape: the leaf's shape, at least 2 axes.
-    dimension_numbers: which axes are fan-in and fan-out; ``None``: the last
-      two axes are ``(in, out)`` (Flax kernels) and the rest batch axes.
+    dimension_numbers: which axes are fan-in and fan-out; ``None``: a 2-axis
+      leaf is ``(in, out)`` (Flax kernels); ``"leading"``: the last two axes
+      are ``(in, out)`` and the rest batch axes.
     split_qkv: split fan-out into Q, K and V.
     where: how errors name the leaf (its path).
 
@@ -159,8 +163,9 @@ def matrix_view(shape: Sequence[int],
     The view.
 
   Raises:
-    ValueError: a leaf with fewer than 2 axes, dimension numbers that overlap
-      or miss the array, or a fused QKV width that the split does not give.
+    ValueError: a leaf with fewer than 2 axes, one with more and no
+      dimension numbers, dimension numbers that overlap or miss the array,
+      or a fused QKV width that the split does not give.
   """
   shape = tuple(int(d) for d in shape)
   ndim = len(shape)
@@ -168,7 +173,9 @@ def matrix_view(shape: Sequence[int],
     raise ValueError(
         f"{where} of shape {shape} has fewer than 2 axes and cannot be a Muon "
         "matrix; route it to the scalar optimizer (labels=...)")
-  if dimension_numbers is None:
+  if dimension_numbers is None and ndim > 2:
+    raise ValueError(unviewed_message([(where, shape)]))
+  if dimension_numbers is None or dimension_numbers == LEADING:
     reduction, output = (ndim - 2,), (ndim - 1,)
   elif isinstance(dimension_numbers, MuonDimensionNumbers):
     reduction = _normalize_axes("reduction_axis",
@@ -182,7 +189,7 @@ def matrix_view(shape: Sequence[int],
   else:
     raise TypeError(
         f"dimension_numbers of {where} must be optax.contrib."
-        f"MuonDimensionNumbers or None, got {dimension_numbers!r}")
+        f"MuonDimensionNumbers, {LEADING!r} or None, got {dimension_numbers!r}")
   batch = tuple(a for a in range(ndim) if a not in reduction + output)
   view = MatrixView(shape, batch, reduction, output)
   if split_qkv is None:
@@ -196,35 +203,61 @@ def matrix_view(shape: Sequence[int],
   return dataclasses.replace(view, groups=groups, widths=widths)
 
 
+def unviewed_message(leaves) -> str:
+  """The error for Muon leaves of 3+ axes without dimension numbers:
+  ``leaves`` are ``(where, shape)`` pairs."""
+  listed = "; ".join(f"{where} {shape}" for where, shape in leaves)
+  return (
+      f"{len(leaves)} Muon leaf/leaves with 3 or more axes and no dimension "
+      f"numbers, so which axes form the matrices is unknown: {listed}. "
+      "Read them from the model with layout=om.infer_layout(model, batch), "
+      "give them by hand with dimension_numbers={path: optax.contrib."
+      "MuonDimensionNumbers(reduction_axis=..., output_axis=...)}, opt in to "
+      "leading axes as batch and the last two as (in, out) with "
+      f"dimension_numbers={LEADING!r}, or route them to AdamW with labels=")
+
+
 def view_resolver(dimension_numbers=None, split_qkv=None):
   """A function ``tree -> [(path, leaf, MatrixView)]`` for the given settings.
 
   Args:
-    dimension_numbers: ``None``, one ``MuonDimensionNumbers`` for all leaves,
-      a tree of them (``None`` entries: the default view), or a callable of
-      the params returning such a tree.
+    dimension_numbers: ``None``, ``"leading"`` or one
+      ``MuonDimensionNumbers`` for all leaves, a tree of them (a
+      ``_paths.FromLayout`` tree may cover more leaves), or a function of the
+      params returning such a tree.
     split_qkv: ``None``, one ``SplitQKV`` (applied to leaves whose path matches
-      its ``pattern``), a tree of ``SplitQKV``/``None``, or a callable.
+      its ``pattern``), a tree of ``SplitQKV``, or a function.
 
   Returns:
-    The resolver; it raises ``ValueError`` for a leaf that cannot be viewed.
+    The resolver; it raises ``ValueError`` for leaves that cannot be viewed
+    (all leaves of 3+ axes without dimension numbers in one error).
   """
-  dims_lookup = _paths.PathLookup("dimension_numbers", dimension_numbers,
-                                  MuonDimensionNumbers)
+  if isinstance(dimension_numbers, str) and dimension_numbers != LEADING:
+    raise ValueError(
+        f"dimension_numbers={dimension_numbers!r} is not accepted; accepted: "
+        f"{LEADING!r}, an optax.contrib.MuonDimensionNumbers, a tree of them "
+        "or a function of the params")
+  dims_lookup = _paths.PathLookup(
+      "dimension_numbers", dimension_numbers, (MuonDimensionNumbers, str),
+      type_name=f"an optax.contrib.MuonDimensionNumbers (or {LEADING!r})")
   split_lookup = _paths.PathLookup("split_qkv", split_qkv, SplitQKV)
   split_is_pattern = isinstance(split_qkv, SplitQKV)
 
   def resolve(tree):
     leaves, _ = _paths.leaves_with_paths(tree)
     dims_of, split_of = dims_lookup.resolve(tree), split_lookup.resolve(tree)
+    where = lambda path: f"leaf {_paths.path_string(path) or '<root>'}"
+    unviewed = [(where(path), tuple(jnp.shape(leaf))) for path, leaf in leaves
+                if jnp.ndim(leaf) > 2 and dims_of(path) is None]
+    if unviewed:
+      raise ValueError(unviewed_message(unviewed))
     views = []
     for path, leaf in leaves:
       split = split_of(path)
       if split_is_pattern and not _paths.matches([split.pattern], path):
         split = None
-      where = f"leaf {_paths.path_string(path) or '<root>'}"
       views.append((path, leaf, matrix_view(jnp.shape(leaf), dims_of(path),
-                                            split, where)))
+                                            split, where(path))))
     return views
 
   return resolve

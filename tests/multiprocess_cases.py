@@ -50,7 +50,7 @@ def put(tree_, specs, mesh_):
 
 def optimizer(mesh_, mode, specs, **extra):
   return om.scale_by_muon(split_qkv={"qkv": SPLIT}, sharding=om.TensorParallel(
-      mesh_, mode=mode, specs=specs, **extra))
+      mesh_, mode=mode, specs=specs, **extra), dimension_numbers="leading")
 
 
 def gathered(tree_):
@@ -111,5 +111,5 @@ def logging_process():
   handler.emit = records.append
   logging.getLogger("optax_muon").addHandler(handler)
   logging.getLogger("optax_muon").setLevel(logging.INFO)
-  om.muon(0.02, match_adamw_update_rms=True, adam_b1=0.83)
+  om.muon(0.02, match_adamw_update_rms=True, adam_b1=0.83, dimension_numbers="leading")
   return len(records)

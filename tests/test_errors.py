@@ -78,7 +78,7 @@ CASES = {
         ValueError, ["dimension_numbers.output_axis", "leaf w", "[-2, 2)"]),
     "dimension numbers of the wrong type": (
         lambda: _init(om.scale_by_shape(dimension_numbers={"w": (0, 1)})),
-        ValueError, ["dimension_numbers"]),
+        TypeError, ["dimension_numbers", "MuonDimensionNumbers"]),
     "vector sent to Muon": (
         lambda: _update(om.muon(0.01, labels={"w": "muon"}),
                         {"w": jnp.ones((8,))}),

@@ -40,7 +40,7 @@ class ComplexMuonTest(chex.TestCase):
     # (iG)(iG)ᴴ = G Gᴴ, so NS(iG) = i NS(G): nothing of the update is lost
     grad = gaussian((16, 40), seed=2)
     params = {"w": jnp.zeros((16, 40), jnp.complex64)}
-    tx = om.muon(0.1, mu_dtype="float32")
+    tx = om.muon(0.1, mu_dtype="float32", dimension_numbers="leading")
     update = self.variant(tx.update)
     imaginary, state = update({"w": 1j * grad.astype(jnp.complex64)},
                               tx.init(params), params)
@@ -54,7 +54,7 @@ class ComplexMuonTest(chex.TestCase):
 def test_complex_at_medium_precision_is_a_clear_error():
   params = {"w": jnp.ones((8, 12), jnp.complex64)}
   with pytest.raises(ValueError, match="precision='medium'.*complex.*leaf w"):
-    om.muon(0.1, precision="medium").init(params)
+    om.muon(0.1, precision="medium", dimension_numbers="leading").init(params)
   with pytest.raises(ValueError, match="precision='medium'"):
     om.newton_schulz(params["w"], precision="medium")
 
@@ -67,17 +67,17 @@ PARAMS = {"attn": {"qkv": {"kernel": jnp.ones((8, 24))}},
 
 UNKNOWN_PATHS = {
     "weight_decay_mask": lambda: om.muon(
-        0.1, weight_decay=0.1, weight_decay_mask={"mlp": {"W": True}}),
+        0.1, weight_decay=0.1, weight_decay_mask={"mlp": {"W": True}}, dimension_numbers="leading"),
     "adam_weight_decay_mask": lambda: om.muon(
-        0.1, adam_weight_decay_mask={"embedding": True}),
+        0.1, adam_weight_decay_mask={"embedding": True}, dimension_numbers="leading"),
     "dimension_numbers": lambda: om.muon(
         0.1, dimension_numbers={"mlp": {"kernel": MDN(0, 1)}}),
     "split_qkv": lambda: om.muon(
-        0.1, split_qkv={"attn": {"qkv_proj": om.SplitQKV(1, 1, 8)}}),
-    "labels": lambda: om.muon(0.1, labels={"mlp": {"W": "muon"}}),
+        0.1, split_qkv={"attn": {"qkv_proj": om.SplitQKV(1, 1, 8)}}, dimension_numbers="leading"),
+    "labels": lambda: om.muon(0.1, labels={"mlp": {"W": "muon"}}, dimension_numbers="leading"),
     "sharding.specs": lambda: om.muon(0.1, sharding=om.TensorParallel(
         jax.make_mesh((1,), ("model",), axis_types=(AxisType.Explicit,)),
-        specs={"mlp": {"w": P()}, "attn": {"qkv": {"kernal": P()}}})),
+        specs={"mlp": {"w": P()}, "attn": {"qkv": {"kernal": P()}}}), dimension_numbers="leading"),
 }
 
 
@@ -142,16 +142,16 @@ class NonFloatLeavesTest(chex.TestCase):
   def test_an_integer_leaf_gets_no_update_and_no_state(self):
     params = {"w": gaussian((8, 12)), "count": jnp.arange(12).reshape(3, 4)}
     assert om.default_labels(params) == {"w": "muon", "count": "none"}
-    tx = om.muon(0.1, weight_decay=0.1)
+    tx = om.muon(0.1, weight_decay=0.1, dimension_numbers="leading")
     state = tx.init(params)
     grads = {"w": gaussian((8, 12), seed=1), "count": jnp.ones((3, 4), jnp.int32)}
     updates, state = self.variant(tx.update)(grads, state, params)
     np.testing.assert_array_equal(updates["count"], np.zeros((3, 4)))
     new_params = optax.apply_updates(params, updates)
     np.testing.assert_array_equal(new_params["count"], params["count"])
-    floats_only = om.muon(0.1, weight_decay=0.1).init({"w": params["w"]})
+    floats_only = om.muon(0.1, weight_decay=0.1, dimension_numbers="leading").init({"w": params["w"]})
     assert len(jax.tree.leaves(state)) == len(jax.tree.leaves(floats_only))
-    reference = om.muon(0.1, weight_decay=0.1)
+    reference = om.muon(0.1, weight_decay=0.1, dimension_numbers="leading")
     expected, _ = reference.update({"w": grads["w"]},
                                    reference.init({"w": params["w"]}),
                                    {"w": params["w"]})
@@ -163,24 +163,24 @@ class NonFloatLeavesTest(chex.TestCase):
 def test_labels_may_freeze_a_leaf_and_must_not_train_integers():
   params = {"w": gaussian((8, 12)), "v": gaussian((8, 12), seed=1),
             "count": jnp.zeros((3, 4), jnp.int32)}
-  tx = om.muon(0.1, labels={"w": "muon", "v": "none", "count": "none"})
+  tx = om.muon(0.1, labels={"w": "muon", "v": "none", "count": "none"}, dimension_numbers="leading")
   updates, _ = tx.update(params, tx.init(params), params)
   np.testing.assert_array_equal(updates["v"], np.zeros((8, 12)))
   with pytest.raises(ValueError, match="count.*int32.*'none'"):
-    om.muon(0.1, labels={"w": "muon", "v": "adam", "count": "adam"}).init(params)
+    om.muon(0.1, labels={"w": "muon", "v": "adam", "count": "adam"}, dimension_numbers="leading").init(params)
 
 
 # 5. errors name the argument of the function that was called -----------------
 
 @pytest.mark.parametrize("build, argument", [
-    (lambda: om.muon(0.1, momentum_style="adamish"), "momentum_style="),
-    (lambda: om.scale_by_muon(momentum_style="adamish"), "momentum_style="),
+    (lambda: om.muon(0.1, momentum_style="adamish", dimension_numbers="leading"), "momentum_style="),
+    (lambda: om.scale_by_muon(momentum_style="adamish", dimension_numbers="leading"), "momentum_style="),
     (lambda: om.momentum(style="adamish"), "style="),
-    (lambda: om.muon(0.1, scale_mode="rms"), "scale_mode="),
-    (lambda: om.scale_by_shape(mode="rms"), "mode="),
+    (lambda: om.muon(0.1, scale_mode="rms", dimension_numbers="leading"), "scale_mode="),
+    (lambda: om.scale_by_shape(mode="rms", dimension_numbers="leading"), "mode="),
     (lambda: om.scale_factor(4, 4, "rms"), "mode="),
-    (lambda: om.muon(0.1, mu_dtype="float33"), "mu_dtype="),
-    (lambda: om.muon(0.1, mu_dtype="int32"), "mu_dtype="),
+    (lambda: om.muon(0.1, mu_dtype="float33", dimension_numbers="leading"), "mu_dtype="),
+    (lambda: om.muon(0.1, mu_dtype="int32", dimension_numbers="leading"), "mu_dtype="),
     (lambda: om.momentum(dtype="float33"), "dtype="),
 ])
 def test_errors_name_the_argument_the_user_passed(build, argument):
@@ -192,8 +192,8 @@ def test_errors_name_the_argument_the_user_passed(build, argument):
 # 6. a zero extra scale factor --------------------------------------------------
 
 @pytest.mark.parametrize("build", [
-    lambda: om.muon(0.1, extra_scale_factor=0),
-    lambda: om.scale_by_muon(extra_scale_factor=0.0),
+    lambda: om.muon(0.1, extra_scale_factor=0, dimension_numbers="leading"),
+    lambda: om.scale_by_muon(extra_scale_factor=0.0, dimension_numbers="leading"),
     lambda: om.MuonConfig(optimizer="muon", muon_extra_scale_factor=0.0),
 ])
 def test_extra_scale_factor_must_be_positive(build):
@@ -281,15 +281,17 @@ def test_a_null_weight_decay_is_a_clear_error(value):
 
 def test_gram_runs_under_inject_hyperparams():
   x = {"w": gaussian((2, 48, 160), seed=3)}  # aspect 3.3: Gram pays
-  tx = optax.inject_hyperparams(om.orthogonalize)(steps=5, method="gram")
+  tx = optax.inject_hyperparams(om.orthogonalize)(
+      steps=5, method="gram", dimension_numbers="leading")
   with mock.patch.object(ns_lib, "iterate_gram",
                          wraps=ns_lib.iterate_gram) as spy:
     injected, _ = jax.jit(tx.update)(x, tx.init(x))
   assert spy.call_count == 1  # the Gram form ran, with `steps` traced
-  static, _ = om.orthogonalize(steps=5, method="gram").update(x, None)
+  static, _ = om.orthogonalize(steps=5, method="gram", dimension_numbers="leading").update(x, None)
   chex.assert_trees_all_close(injected, static, atol=1e-6)
   for steps in (1, 2, 3):  # segments of length 0 and 1
-    tx = optax.inject_hyperparams(om.orthogonalize)(steps=steps, method="gram")
-    static, _ = om.orthogonalize(steps=steps, method="gram").update(x, None)
+    tx = optax.inject_hyperparams(om.orthogonalize)(
+        steps=steps, method="gram", dimension_numbers="leading")
+    static, _ = om.orthogonalize(steps=steps, method="gram", dimension_numbers="leading").update(x, None)
     chex.assert_trees_all_close(jax.jit(tx.update)(x, tx.init(x))[0], static,
                                 atol=1e-6)

@@ -114,7 +114,7 @@ def test_the_example_gpt_agrees_with_its_labels_and_views():
   for path, dims in _by_path(layout.dimension_numbers).items():
     if _by_path(layout.labels)[path] == "muon":  # the same matrices
       assert layout_lib.matrix_view(shapes[path], dims).matrix_shapes == \
-          layout_lib.matrix_view(shapes[path]).matrix_shapes, path
+          layout_lib.matrix_view(shapes[path], "leading").matrix_shapes, path
   roles, reasons = _by_path(layout.roles), _by_path(layout.reasons)
   assert roles["lm_head/kernel"] == "head"
   assert roles["wte/embedding"] == roles["wpe/embedding"] == "embedding"

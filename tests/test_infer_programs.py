@@ -197,3 +197,20 @@ def test_a_matmul_inside_each_sub_program_is_read(wrapper):
                                "head": jnp.zeros((8, 4))}, jnp.ones((2, 8)))
   assert layout.roles == {"w": "matrix", "head": "head"}, layout.reasons
   assert layout.dimension_numbers["w"] == MDN((0,), (1,))
+
+
+def test_concatenated_and_padded_sinks_are_vectors():
+  # gpt-oss: a learned per-head logit joined to the attention logits
+  def attend(params, x):
+    logits = jnp.einsum("bd,dh->bh", x, params["q"])[:, :, None]  # (b, h, 1)
+    sinks = jnp.broadcast_to(params["sinks"][None, :, None], logits.shape)
+    joined = jnp.concatenate([logits, sinks], axis=-1)
+    padded = jnp.pad(params["bias"], (0, 1))
+    return jax.nn.softmax(joined + padded, axis=-1).sum(-1) @ params["out"]
+
+  params = {"q": jnp.zeros((8, 4)), "sinks": jnp.zeros((4,)),
+            "bias": jnp.zeros((1,)), "out": jnp.zeros((4, 8))}
+  layout = om.infer_layout(attend, params, jnp.ones((2, 8)))
+  assert layout.roles["sinks"] == "vector", layout.reasons["sinks"]
+  assert layout.roles["bias"] == "vector", layout.reasons["bias"]
+  assert layout.labels["sinks"] == "adam"

@@ -54,7 +54,7 @@ def test_patterns_override_the_defaults(stacked_moe):
   cfg = GPTConfig(n_layer=2, n_embd=32, block_size=16, scan_layers=True,
                   n_experts=4)
   labels = _labels_by_path(
-      cfg, adam_patterns=DEFAULT_ADAM_PATTERNS + ("router",),
+      cfg, adam_patterns=("router",),
       muon_patterns=("lm_head",))
   assert labels["blocks/experts/router/kernel"][0] == "adam"
   assert labels["lm_head/kernel"][0] == "muon"

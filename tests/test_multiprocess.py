@@ -16,7 +16,7 @@ def test_muon_across_two_processes_equals_one_process():
   # layouts, the data-axis split of the work, ZeRO-1, and logging
   first, second = multiprocess.run("multiprocess_cases:everything")
   params, _ = cases.tree()
-  plain = om.scale_by_muon(split_qkv={"qkv": cases.SPLIT})
+  plain = om.scale_by_muon(split_qkv={"qkv": cases.SPLIT}, dimension_numbers="leading")
   unsharded = jax.tree.map(np.asarray, plain.update(params, plain.init(params))[0])
   for layout in ("data_across", "model_across"):
     for mode in cases.MODES:

@@ -188,10 +188,10 @@ def test_gram_newton_schulz_matches_the_iteration(name, steps):
   # itself is up to 1.7e-5 (of max|X|) from it at cans × 5, so the Gram form
   # is held to 1e-5 of the exact iteration and 2e-5 of the standard form.
   x = _gaussian((2, 48, 160), seed=11)  # aspect 3.3: the Gram form is used
-  standard, _ = om.orthogonalize(coefficients=name, steps=steps).update(
+  standard, _ = om.orthogonalize(coefficients=name, steps=steps, dimension_numbers="leading").update(
       {"w": x}, None)
   gram, _ = om.orthogonalize(coefficients=name, steps=steps,
-                             method="gram").update({"w": x}, None)
+                             method="gram", dimension_numbers="leading").update({"w": x}, None)
   exact = np.stack([_reference_ns(m, om.coefficient_schedule(name, steps))
                     for m in np.asarray(x)])
   scale = np.abs(exact).max()
@@ -202,7 +202,7 @@ def test_gram_newton_schulz_matches_the_iteration(name, steps):
 
 def test_gram_is_used_only_where_it_saves_flops():
   wide, square = _gaussian((48, 160), 12), _gaussian((64, 96), 13)
-  gram, standard = om.orthogonalize(method="gram"), om.orthogonalize()
+  gram, standard = om.orthogonalize(method="gram", dimension_numbers="leading"), om.orthogonalize(dimension_numbers="leading")
   # aspect 1.5: the same program as the standard form
   assert str(jax.make_jaxpr(lambda u: gram.update({"w": u}, None))(square)) == \
       str(jax.make_jaxpr(lambda u: standard.update({"w": u}, None))(square))

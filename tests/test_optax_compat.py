@@ -38,7 +38,7 @@ class CompositionTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_chain_with_global_norm_clipping(self):
-    tx = optax.chain(optax.clip_by_global_norm(1.0), om.muon(0.02))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), om.muon(0.02, dimension_numbers="leading"))
     params, _ = _run(tx, update=self.variant(tx.update))
 
     def clip_then_muon(grads, state, params):
@@ -46,16 +46,16 @@ class CompositionTest(chex.TestCase):
       grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, 1.0 / norm), grads)
       return muon.update(grads, state, params)
 
-    muon = om.muon(0.02)
+    muon = om.muon(0.02, dimension_numbers="leading")
     reference, _ = _run(muon, update=clip_then_muon)
     chex.assert_trees_all_close(params, reference, atol=1e-6)
-    unclipped, _ = _run(om.muon(0.02))
+    unclipped, _ = _run(om.muon(0.02, dimension_numbers="leading"))
     assert not np.allclose(params["dense"]["bias"], unclipped["dense"]["bias"])
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_inject_hyperparams_with_a_schedule(self):
     schedule = optax.linear_schedule(0.02, 0.0, 3)
-    tx = optax.inject_hyperparams(om.muon)(
+    tx = optax.inject_hyperparams(om.muon)(dimension_numbers="leading",
         learning_rate=schedule, beta=0.9, steps=5, adam_b1=0.9,
         match_adamw_update_rms=True)
     params, state = _run(tx, update=self.variant(tx.update))
@@ -64,13 +64,14 @@ class CompositionTest(chex.TestCase):
     np.testing.assert_allclose(state.hyperparams["learning_rate"], schedule(2),
                                rtol=1e-6)
     reference, _ = _run(optax.chain(
-        om.muon(1.0, beta=0.9, match_adamw_update_rms=True),
+        om.muon(1.0, beta=0.9, match_adamw_update_rms=True, dimension_numbers="leading"),
         optax.scale_by_schedule(schedule)))
     chex.assert_trees_all_close(params, reference, atol=1e-5)
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_inject_hyperparams_traced_step_count(self):
-    tx = optax.inject_hyperparams(om.orthogonalize)(steps=3)
+    tx = optax.inject_hyperparams(om.orthogonalize)(steps=3,
+                                                    dimension_numbers="leading")
     x = {"w": _params()["dense"]["kernel"]}
     out, _ = self.variant(tx.update)(x, tx.init(x))
     np.testing.assert_allclose(out["w"], om.newton_schulz(x["w"], steps=3),
@@ -78,7 +79,7 @@ class CompositionTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_multi_steps_accumulates_then_applies(self):
-    tx = optax.MultiSteps(om.muon(0.02), every_k_schedule=2)
+    tx = optax.MultiSteps(om.muon(0.02, dimension_numbers="leading"), every_k_schedule=2)
     params = _params()
     state = tx.init(params)
     update = self.variant(tx.update)
@@ -86,13 +87,13 @@ class CompositionTest(chex.TestCase):
     chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
     updates, state = update(_grads(1), state, params)
     mean_grad = jax.tree.map(lambda a, b: (a + b) / 2, _grads(0), _grads(1))
-    reference = om.muon(0.02)
+    reference = om.muon(0.02, dimension_numbers="leading")
     expected, _ = reference.update(mean_grad, reference.init(params), params)
     chex.assert_trees_all_close(updates, expected, atol=1e-5)
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_apply_if_finite_skips_a_nan_step(self):
-    tx = optax.apply_if_finite(om.muon(0.02), max_consecutive_errors=3)
+    tx = optax.apply_if_finite(om.muon(0.02, dimension_numbers="leading"), max_consecutive_errors=3)
     params = _params()
     state = tx.init(params)
     bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), _grads(0))
@@ -117,7 +118,8 @@ def test_like_for_like_equals_optax_contrib_muon(weight_decay):
                  scale_mode="shape_scaling", precision="high",
                  weight_decay=weight_decay, adam_weight_decay=weight_decay,
                  labels=lambda p: jax.tree.map(
-                     lambda x: "muon" if x.ndim == 2 else "adam", p))
+                     lambda x: "muon" if x.ndim == 2 else "adam", p),
+                 adam_weight_decay_mask=lambda p: jax.tree.map(lambda _: True, p))
   p_theirs, p_ours = params, params
   s_theirs, s_ours = theirs.init(params), ours.init(params)
   for t in range(5):
@@ -148,7 +150,7 @@ class _Net(nnx.Module):
 
 def test_flax_nnx_optimizer_trains_under_jit():
   model = _Net(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, om.muon(0.02, adam_learning_rate=3e-3),
+  optimizer = nnx.Optimizer(model, om.muon(0.02, adam_learning_rate=3e-3, dimension_numbers="leading"),
                             wrt=nnx.Param)
   tokens = jnp.arange(64) % 32
   targets = (tokens + 1) % 32

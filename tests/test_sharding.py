@@ -56,10 +56,10 @@ def _sharded_update(tx, params, mesh):
 def test_full_matrix_modes_equal_the_unsharded_update(mesh_shape, mode):
   mesh = _mesh(mesh_shape)
   params, specs = _tree()
-  reference = om.scale_by_muon(split_qkv=SPLIT)
+  reference = om.scale_by_muon(split_qkv=SPLIT, dimension_numbers="leading")
   expected, _ = reference.update(params, reference.init(params))
   tx = om.scale_by_muon(split_qkv=SPLIT,
-                        sharding=om.TensorParallel(mesh, mode=mode))
+                        sharding=om.TensorParallel(mesh, mode=mode), dimension_numbers="leading")
   updates, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
   chex.assert_trees_all_close(updates, expected, atol=1e-5)
 
@@ -70,7 +70,7 @@ def test_blockwise_is_newton_schulz_of_each_shard_with_its_shape(mesh_shape):
   ranks = mesh.shape["model"]
   params, specs = _tree()
   tx = om.scale_by_muon(split_qkv=SPLIT,
-                        sharding=om.TensorParallel(mesh, mode="blockwise"))
+                        sharding=om.TensorParallel(mesh, mode="blockwise"), dimension_numbers="leading")
   updates, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
   updates = jax.tree.map(np.asarray, updates)
   for name, axis in [("wide_out", 1), ("tall_in", 0)]:
@@ -108,13 +108,13 @@ def _allgather_tree():
 def test_allgather_all_to_all_path_equals_the_unsharded_update(mesh_shape):
   mesh = _mesh(mesh_shape)
   params, specs = _allgather_tree()
-  tx = om.scale_by_muon(sharding=om.TensorParallel(mesh, mode="allgather"))
+  tx = om.scale_by_muon(sharding=om.TensorParallel(mesh, mode="allgather"), dimension_numbers="leading")
   updates, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
-  reference = om.scale_by_muon()
+  reference = om.scale_by_muon(dimension_numbers="leading")
   expected, _ = reference.update(params, reference.init(params))
   chex.assert_trees_all_close(updates, expected, atol=1e-5)
   _, counts = _collectives(om.orthogonalize(sharding=om.TensorParallel(
-      mesh, mode="allgather")), params, specs, mesh)
+      mesh, mode="allgather"), dimension_numbers="leading"), params, specs, mesh)
   # one group of 17 (the row-parallel matrices are the column-parallel ones'
   # transposes, stacked together once turned wide): two all-to-alls
   assert _only(counts, all_to_all=2)
@@ -127,9 +127,9 @@ def test_sharded_batch_axes_stay_local_and_equal_the_unsharded_update(mode):
   params = {"layers": jax.random.normal(jax.random.key(3), (8, 32, 64)),
             "experts": jax.random.normal(jax.random.key(4), (4, 2, 48, 16))}
   specs = {"layers": P("model", None, None), "experts": P("model", "data")}
-  tx = om.scale_by_muon(sharding=om.TensorParallel(mesh, mode=mode))
+  tx = om.scale_by_muon(sharding=om.TensorParallel(mesh, mode=mode), dimension_numbers="leading")
   updates, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
-  reference = om.scale_by_muon()
+  reference = om.scale_by_muon(dimension_numbers="leading")
   expected, _ = reference.update(params, reference.init(params))
   chex.assert_trees_all_close(updates, expected, atol=1e-5)
 
@@ -155,11 +155,11 @@ def _only(counts, **expected):
 def test_blockwise_and_sharded_batch_axes_need_no_collectives(spec):
   mesh = _mesh((2, 4))
   x = {"w": jnp.ones((32, 64))}
-  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="blockwise"))
+  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="blockwise"), dimension_numbers="leading")
   assert _only(_collectives(tx, x, {"w": spec}, mesh)[1])
   stacked = {"w": jnp.ones((8, 32, 64))}
   for mode in ("duplicated", "distributed", "allgather"):
-    tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode=mode))
+    tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode=mode), dimension_numbers="leading")
     assert _only(_collectives(tx, stacked, {"w": P("model", None, None)},
                               mesh)[1]), mode
 
@@ -167,7 +167,7 @@ def test_blockwise_and_sharded_batch_axes_need_no_collectives(spec):
 def test_duplicated_gathers_each_leaf_once():
   mesh = _mesh((2, 4))
   tree = {"a": jnp.ones((32, 64)), "b": jnp.ones((64, 32))}
-  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="duplicated"))
+  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="duplicated"), dimension_numbers="leading")
   _, counts = _collectives(tx, tree, {"a": P(None, "model"),
                                       "b": P("model", None)}, mesh)
   assert _only(counts, all_gather=2)
@@ -177,7 +177,7 @@ def test_distributed_all_reduces_the_gram_matrix_once_per_step():
   mesh = _mesh((2, 4))
   steps = 5
   tx = om.orthogonalize(steps=steps,
-                        sharding=om.TensorParallel(mesh, mode="distributed"))
+                        sharding=om.TensorParallel(mesh, mode="distributed"), dimension_numbers="leading")
   hlo, counts = _collectives(tx, {"w": jnp.ones((32, 64))},
                              {"w": P(None, "model")}, mesh)
   gram = re.findall(r"= f32\[1,32,32\]\{[^}]*\} all-reduce(-start)?\(", hlo)
@@ -192,7 +192,7 @@ def test_distributed_all_reduces_the_gram_matrix_once_per_step():
 def test_allgather_uses_all_to_all_and_no_full_gather():
   mesh = _mesh((2, 4))
   tree = {f"w{i}": jnp.ones((32, 64)) for i in range(4)}
-  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="allgather"))
+  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="allgather"), dimension_numbers="leading")
   _, counts = _collectives(tx, tree, {k: P(None, "model") for k in tree}, mesh)
   assert _only(counts, all_to_all=2)
   # three leaves on four ranks: padded with a zero matrix, still 2 all-to-alls
@@ -219,7 +219,7 @@ def test_allgather_pads_four_leaves_over_eight_ranks_at_half_the_bytes():
   specs = {k: P(None, "model") for k in params}
   moved = {}
   for mode in ("duplicated", "allgather"):
-    tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode=mode))
+    tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode=mode), dimension_numbers="leading")
     hlo, counts = _collectives(tx, params, specs, mesh)
     moved[mode] = sum(_hlo.collective_bytes(hlo).values())
     out, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
@@ -240,7 +240,7 @@ def test_allgather_stacks_transposed_shapes_together():
                                                (128, 32)) for i in range(2)})
   specs = {k: P(None, "model") if k.startswith("up") else P("model", None)
            for k in params}
-  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="allgather"))
+  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="allgather"), dimension_numbers="leading")
   _, counts = _collectives(tx, params, specs, mesh)
   assert _only(counts, all_to_all=2)
   out, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
@@ -251,7 +251,7 @@ def test_allgather_stacks_transposed_shapes_together():
 def test_fsdp_axis_is_gathered_for_the_matrix_and_resplit():
   mesh = _mesh((2, 4))
   x = jax.random.normal(jax.random.key(1), (32, 64))
-  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="duplicated"))
+  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="duplicated"), dimension_numbers="leading")
   out, _ = _sharded_update(tx, _put({"w": x}, {"w": P("data", "model")}, mesh),
                            mesh)
   assert out["w"].sharding.spec == P("data", "model")
@@ -264,7 +264,7 @@ def test_updates_and_state_keep_the_param_sharding(axis_type):
   params, specs = _tree()
   tp = om.TensorParallel(mesh, mode="duplicated", specs=specs)
   tx = om.muon(0.01, split_qkv=SPLIT, sharding=tp, labels=jax.tree.map(
-      lambda _: "muon", params))
+      lambda _: "muon", params), dimension_numbers="leading")
   sharded = _put(params, specs, mesh)
   with jax.set_mesh(mesh):
     state = jax.jit(tx.init)(sharded)
@@ -282,7 +282,7 @@ def test_zero1_momentum_sharding_splits_state_over_data():
   mesh = _mesh((2, 4), AxisType.Auto)
   params, specs = _tree()
   tx = om.scale_by_muon(split_qkv=SPLIT, sharding=om.TensorParallel(
-      mesh, mode="duplicated", specs=specs))
+      mesh, mode="duplicated", specs=specs), dimension_numbers="leading")
   sharded = _put(params, specs, mesh)
   state = tx.init(sharded)
   zero1 = om.zero1_sharding(state[0].mu, mesh, "data", specs=specs)
@@ -297,8 +297,8 @@ def test_zero1_momentum_sharding_splits_state_over_data():
   assert per_device(state[0].mu) * 2 == per_device(tp_only)
   # two steps against the formulas, unsharded: the second reads the momentum
   # (m ← βm + (1−β)g, Nesterov u = (1−β)g + βm), then NS and the shape scale
-  direction = optax.chain(om.orthogonalize(split_qkv=SPLIT),
-                          om.scale_by_shape(split_qkv=SPLIT))
+  direction = optax.chain(om.orthogonalize(split_qkv=SPLIT, dimension_numbers="leading"),
+                          om.scale_by_shape(split_qkv=SPLIT, dimension_numbers="leading"))
   momentum = jax.tree.map(jnp.zeros_like, params)
   update = jax.jit(tx.update)
   for step in range(2):
@@ -323,7 +323,7 @@ def test_distribute_over_data_splits_the_newton_schulz_work():
 
   def flops(distribute_over):
     tx = om.orthogonalize(sharding=om.TensorParallel(
-        mesh, mode="duplicated", distribute_over=distribute_over))
+        mesh, mode="duplicated", distribute_over=distribute_over), dimension_numbers="leading")
     sharded = _put(tree, specs, mesh)
     with jax.set_mesh(mesh):
       f = jax.jit(lambda u: tx.update(u, optax.EmptyState())[0])
@@ -357,7 +357,7 @@ def test_flax_model_with_partitioning_trains(mode):
     model = _Model(nnx.Rngs(0))
     specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
     tp = om.TensorParallel(mesh, mode=mode, specs=specs)
-    optimizer = nnx.Optimizer(model, om.muon(0.02, sharding=tp), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, om.muon(0.02, sharding=tp, dimension_numbers="leading"), wrt=nnx.Param)
     x = jax.random.normal(jax.random.key(0), (32, 16))
 
     @nnx.jit
@@ -382,14 +382,14 @@ def test_bad_sharding_settings_raise():
   tree = {"w": jnp.ones((30, 64))}
   with pytest.raises(ValueError, match="does not divide"):
     om.orthogonalize(sharding=om.TensorParallel(
-        mesh, specs={"w": P("model", None)})).init(tree)
+        mesh, specs={"w": P("model", None)}), dimension_numbers="leading").init(tree)
   with pytest.raises(ValueError, match="entries"):
     om.orthogonalize(sharding=om.TensorParallel(
-        mesh, specs={"w": P("model", None, None)})).init(tree)
+        mesh, specs={"w": P("model", None, None)}), dimension_numbers="leading").init(tree)
   with pytest.raises(ValueError, match="not an axis"):
     om.orthogonalize(sharding=om.TensorParallel(
-        mesh, specs={"w": P("tensor", None)})).init(tree)
+        mesh, specs={"w": P("tensor", None)}), dimension_numbers="leading").init(tree)
   auto = _mesh((2, 4), AxisType.Auto)
   with pytest.raises(ValueError, match="specs"):
-    om.orthogonalize(sharding=om.TensorParallel(auto)).update(
+    om.orthogonalize(sharding=om.TensorParallel(auto), dimension_numbers="leading").update(
         tree, optax.EmptyState())

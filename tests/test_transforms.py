@@ -56,7 +56,7 @@ class OrthogonalizeTest(chex.TestCase):
     tree = {"a": gaussian((32, 64), 0), "b": gaussian((64, 32), 1),
             "c": gaussian((32, 64), 2), "d": gaussian((16, 24), 3),
             "stacked": gaussian((3, 32, 64), 4), "bf16": gaussian((24, 16), 5, jnp.bfloat16)}
-    tx = om.orthogonalize()
+    tx = om.orthogonalize(dimension_numbers="leading")
     out, _ = self.variant(tx.update)(tree, tx.init(tree))
     for name, leaf in tree.items():
       expected = om.newton_schulz(leaf)
@@ -66,7 +66,7 @@ class OrthogonalizeTest(chex.TestCase):
   def test_one_batched_newton_schulz_per_shape(self):
     tree = {f"w{i}": gaussian((32, 64) if i % 2 else (64, 32), i)
             for i in range(6)}
-    tx = om.orthogonalize(steps=5)
+    tx = om.orthogonalize(steps=5, dimension_numbers="leading")
     jaxpr = jax.make_jaxpr(lambda t: tx.update(t, optax.EmptyState()))(tree)
     loops = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
     assert len(loops) == 1  # six leaves, one wide shape, one loop
@@ -77,7 +77,7 @@ class OrthogonalizeTest(chex.TestCase):
     # Eight equal matrices: stacking them would keep 8× the buffers live;
     # one at a time, the peak is that of one matrix's loop.
     tree = {f"w{i}": jnp.ones((96, 384)) for i in range(8)}
-    tx = om.orthogonalize()
+    tx = om.orthogonalize(dimension_numbers="leading")
     compiled = jax.jit(tx.update).lower(tree, tx.init(tree)).compile()
     one_matrix = 96 * 384 * 4
     assert compiled.memory_analysis().temp_size_in_bytes <= 2 * one_matrix
@@ -90,9 +90,9 @@ class OrthogonalizeTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_a_tree_without_matrices_passes_through(self):
-    tx = om.orthogonalize()
+    tx = om.orthogonalize(dimension_numbers="leading")
     assert self.variant(tx.update)({}, tx.init({}))[0] == {}
-    tx = om.muon(0.1)  # every leaf a vector: the Muon branch gets no leaf
+    tx = om.muon(0.1, dimension_numbers="leading")  # every leaf a vector: the Muon branch gets no leaf
     vector = {"b": jnp.arange(3.0)}
     out, _ = self.variant(tx.update)(vector, tx.init(vector), vector)
     assert out["b"].shape == (3,)
@@ -141,8 +141,8 @@ def test_split_qkv_orthogonalizes_and_scales_q_k_v_separately(split_layout,
   else:
     q, k, v = jnp.split(xs, [heads * head_dim, (heads + kv_heads) * head_dim],
                         axis=-1)
-  chain = optax.chain(om.orthogonalize(split_qkv=split),
-                      om.scale_by_shape("spectral", split_qkv=split))
+  chain = optax.chain(om.orthogonalize(split_qkv=split, dimension_numbers="leading"),
+                      om.scale_by_shape("spectral", split_qkv=split, dimension_numbers="leading"))
   tree = {"attn": {"qkv": {"kernel": x}}, "mlp": {"kernel": gaussian((d, width), 1)}}
   out, _ = chain.update(tree, chain.init(tree))
   parts = [om.newton_schulz(p) * np.sqrt(max(p.shape[-2:])) for p in (q, k, v)]
@@ -170,7 +170,7 @@ def test_scale_modes(mode, expected):
 @pytest.mark.parametrize("mode", ["spectral", "shape_scaling", "unit_rms_norm"])
 def test_scale_by_shape_scales_each_stacked_matrix_by_its_shape(mode):
   x = jnp.ones((3, 16, 48))  # three (in=16, out=48) matrices
-  tx = om.scale_by_shape(mode)
+  tx = om.scale_by_shape(mode, dimension_numbers="leading")
   out, _ = tx.update({"w": x}, tx.init({"w": x}))
   np.testing.assert_allclose(out["w"], om.scale_factor(48, 16, mode), rtol=1e-6)
   assert om.scale_factor(16, 48, "shape_scaling") == 1.0
@@ -178,8 +178,8 @@ def test_scale_by_shape_scales_each_stacked_matrix_by_its_shape(mode):
 
 def test_match_adamw_update_rms_uses_beta1_factor():
   x = {"w": gaussian((64, 64), 0)}
-  plain = om.scale_by_muon(extra_scale_factor=1.0)
-  matched = om.scale_by_muon(match_adamw_update_rms=True, adamw_beta1=0.9)
+  plain = om.scale_by_muon(extra_scale_factor=1.0, dimension_numbers="leading")
+  matched = om.scale_by_muon(match_adamw_update_rms=True, adamw_beta1=0.9, dimension_numbers="leading")
   a, _ = plain.update(x, plain.init(x))
   b, _ = matched.update(x, matched.init(x))
   np.testing.assert_allclose(b["w"], a["w"] * 0.22941573387056174, rtol=1e-5)
@@ -193,7 +193,7 @@ def test_match_adamw_update_rms_is_logged_once(caplog):
   from optax_muon import alias
   alias._logged_factors.clear()
   for _ in range(3):
-    om.muon(0.01, match_adamw_update_rms=True, adam_b1=0.9)
+    om.muon(0.01, match_adamw_update_rms=True, adam_b1=0.9, dimension_numbers="leading")
   lines = [r.getMessage() for r in caplog.records if "resolved" in r.message]
   assert lines == ["match_adamw_update_rms: extra_scale_factor resolved to "
                    "0.229416 from adamw beta1=0.9"]
@@ -202,7 +202,7 @@ def test_match_adamw_update_rms_is_logged_once(caplog):
 def test_weight_decay_is_decoupled_and_multiplied_by_lr():
   params = {"w": gaussian((8, 8), 0)}
   grads = {"w": jnp.zeros((8, 8))}  # zero grad: NS(0) = 0, only decay acts
-  tx = om.muon(0.1, weight_decay=0.5)
+  tx = om.muon(0.1, weight_decay=0.5, dimension_numbers="leading")
   updates, _ = tx.update(grads, tx.init(params), params)
   np.testing.assert_allclose(updates["w"], -0.1 * 0.5 * params["w"], rtol=1e-6)
 
@@ -214,11 +214,16 @@ def test_weight_decay_masks_by_path_and_adam_settings_are_independent():
   tx = om.muon(0.1, weight_decay=1.0,
                weight_decay_mask={"a": {"kernel": True}, "b": {"kernel": False},
                                   "bias": False},
-               adam_learning_rate=0.01, adam_weight_decay=2.0)
+               adam_learning_rate=0.01, adam_weight_decay=2.0,
+               adam_weight_decay_mask={"bias": True})
   updates, _ = tx.update(grads, tx.init(params), params)
   np.testing.assert_allclose(updates["a"]["kernel"], -0.1, rtol=1e-6)
   np.testing.assert_allclose(updates["b"]["kernel"], 0.0)
   np.testing.assert_allclose(updates["bias"], -0.01 * 2.0, rtol=1e-6)
+  # without a mask the AdamW group decays no vector (norm scales, biases)
+  tx = om.muon(0.1, adam_learning_rate=0.01, adam_weight_decay=2.0)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  np.testing.assert_array_equal(updates["bias"], 0.0)
 
 
 def test_scalar_optimizer_lion_and_adam_get_the_non_muon_leaves():
@@ -227,13 +232,13 @@ def test_scalar_optimizer_lion_and_adam_get_the_non_muon_leaves():
   for name, reference in [("adam", optax.adamw(0.01, weight_decay=0.0)),
                           ("lion", optax.lion(0.01, b2=0.999, weight_decay=0.0))]:
     tx = om.muon(0.02, scalar_optimizer=name, adam_learning_rate=0.01,
-                 adam_weight_decay=0.0)
+                 adam_weight_decay=0.0, dimension_numbers="leading")
     updates, _ = tx.update(grads, tx.init(params), params)
     expected, _ = reference.update(grads["bias"], reference.init(params["bias"]),
                                    params["bias"])
     np.testing.assert_allclose(updates["bias"], expected, rtol=1e-6)
-    muon_only, _ = om.scale_by_muon().update(
-        {"k": grads["kernel"]}, om.scale_by_muon().init({"k": params["kernel"]}))
+    muon_only, _ = om.scale_by_muon(dimension_numbers="leading").update(
+        {"k": grads["kernel"]}, om.scale_by_muon(dimension_numbers="leading").init({"k": params["kernel"]}))
     np.testing.assert_allclose(updates["kernel"], -0.02 * muon_only["k"],
                                rtol=1e-5, atol=1e-7)
 
@@ -241,9 +246,9 @@ def test_scalar_optimizer_lion_and_adam_get_the_non_muon_leaves():
 def test_explicit_labels_override_the_default():
   params = {"embed": gaussian((16, 8), 0), "kernel": gaussian((8, 8), 1)}
   grads = {"embed": gaussian((16, 8), 2), "kernel": gaussian((8, 8), 3)}
-  tx = om.muon(0.1, labels={"embed": "muon", "kernel": "adam"})
+  tx = om.muon(0.1, labels={"embed": "muon", "kernel": "adam"}, dimension_numbers="leading")
   updates, _ = tx.update(grads, tx.init(params), params)
-  muon = om.scale_by_muon()
+  muon = om.scale_by_muon(dimension_numbers="leading")
   expected, _ = muon.update({"embed": grads["embed"]},
                             muon.init({"embed": params["embed"]}))
   np.testing.assert_allclose(updates["embed"], -0.1 * expected["embed"],
@@ -260,9 +265,9 @@ def test_explicit_labels_override_the_default():
 def test_muon_forwards_its_settings_to_scale_by_muon(setting):
   params = {"w": gaussian((16, 64), 0)}
   grads = [{"w": gaussian((16, 64), seed)} for seed in (1, 2)]
-  tx, reference = om.muon(0.1, **setting), om.scale_by_muon(**setting)
+  tx, reference = om.muon(0.1, **setting, dimension_numbers="leading"), om.scale_by_muon(**setting, dimension_numbers="leading")
   state, reference_state = tx.init(params), reference.init(params)
-  default = om.scale_by_muon()
+  default = om.scale_by_muon(dimension_numbers="leading")
   default_state = default.init(params)
   for g in grads:
     updates, state = tx.update(g, state, params)

@@ -136,6 +136,9 @@ def build(cfg: config_lib.RunConfig, mesh=None):
   """Model graph, params, optimizer, its state, and the jitted step/eval."""
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     model = GPT(cfg.model, nnx.Rngs(cfg.train.seed))
+  # which leaves are matrices, and how, read from the model's own forward
+  layout = om.infer_layout(
+      model, jax.ShapeDtypeStruct((1, cfg.model.block_size), jnp.int32))
   graphdef, params = nnx.split(model)
   specs = nnx.get_partition_spec(params) if mesh is not None else None
   if cfg.train.muon_impl == "optax.contrib":
@@ -143,8 +146,8 @@ def build(cfg: config_lib.RunConfig, mesh=None):
   else:
     tx = cfg.optim.build(learning_rate_schedule(cfg), params=params,
                          split_qkv=split_qkv_of(cfg), mesh=mesh, specs=specs,
-                         attention=attention_of(cfg))
-    labels = om.default_labels(params)
+                         attention=attention_of(cfg), layout=layout)
+    labels = layout.labels
   muon_groups = {key: matrix_group(path)
                  for key, (path, label) in named_leaves(labels).items()
                  if label == "muon" and cfg.optim.optimizer == "muon"}
