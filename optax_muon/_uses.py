@@ -38,8 +38,22 @@ class View:
 
 
 @dataclasses.dataclass(frozen=True)
+class Product:
+  """A jaxpr value computed by a param's matmul (or from such values by views
+  and elementwise ops): for each of its axes, the ``(leaf, leaf axis)``
+  pairs of the params' free (output) axes it carries. What happens to those
+  axes later says whether they are matrix axes: indexed apart (Gemma's
+  fused K/V) or a batch dim of another param's matmul (a dense MoE's expert
+  axis) makes them batch axes."""
+  axes: tuple[frozenset[tuple[int, int]], ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Use:
-  kind: str  # "dot", "conv", "depthwise", "gather", "vector", "unknown"
+  # "dot", "conv", "depthwise", "gather", "vector", "unknown"; and for an
+  # output axis of a matmul's product: "split" (indexed apart), "expert"
+  # (a batch dim of another param's matmul)
+  kind: str
   reduction: frozenset[int] = frozenset()
   output: frozenset[int] = frozenset()
   reason: str = ""
@@ -83,26 +97,97 @@ class Analysis:
             [tags.get(v, frozenset()) if _is_var(v) else frozenset()
              for v in jaxpr.outvars])
 
+  def mark(self, pairs, kind: str, reason: str) -> None:
+    """Records ``kind`` for each ``(leaf, axis)`` of a product's axis."""
+    for leaf, axis in pairs:
+      if leaf < self.count:
+        self.uses[leaf].add(Use(kind, output=frozenset({axis}), reason=reason))
+
+  def product(self, eqn, values):
+    """The outputs of ``eqn`` when its operands include products, marking
+    the product axes it indexes apart or batches with a param; ``None``
+    when the operation does not carry products."""
+    name = eqn.primitive.name
+    prods = [v if isinstance(v, Product) else None for v in values]
+    if not any(prods):
+      return None
+    if name in ("slice", "dynamic_slice"):
+      shape = eqn.invars[0].aval.shape
+      sizes = (eqn.params["slice_sizes"] if name == "dynamic_slice" else
+               [b - a for a, b in zip(eqn.params["start_indices"],
+                                      eqn.params["limit_indices"])])
+      if prods[0] is None:
+        return None
+      for axis, (old, new) in enumerate(zip(shape, sizes)):
+        if new == 1 < old:
+          self.mark(prods[0].axes[axis], "split", "indexed apart")
+      return [prods[0]]
+    if name == "gather" and prods[0] is not None and _is_index(eqn):
+      collapsed = eqn.params["dimension_numbers"].collapsed_slice_dims
+      for axis in collapsed:
+        self.mark(prods[0].axes[axis], "split", "indexed apart")
+      return [Product(tuple(a for d, a in enumerate(prods[0].axes)
+                            if d not in collapsed))]
+    if name == "unstack" and prods[0] is not None:  # jax >= 0.11: a, b = x
+      axis = eqn.params["axis"]
+      self.mark(prods[0].axes[axis], "split", "indexed apart")
+      return [_drop_axis(prods[0], axis)] * len(eqn.outvars)
+    if name == "split" and prods[0] is not None:
+      axis = eqn.params["axis"]
+      if all(size == 1 for size in eqn.params["sizes"]):
+        self.mark(prods[0].axes[axis], "split", "indexed apart")
+      return [prods[0]] * len(eqn.outvars)
+    if name == "dot_general":
+      (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
+      for prod, other, batch in ((prods[0], values[1], lhs_b),
+                                 (prods[1], values[0], rhs_b)):
+        if prod is not None and isinstance(other, View) and (
+            other.leaf < self.count):
+          for axis in batch:
+            self.mark(prod.axes[axis], "expert",
+                      "a batch dim of another parameter's matmul")
+      return None
+    if name in VIEW_OPS and prods[0] is not None and not any(values[1:]):
+      return [VIEW_OPS[name](prods[0], eqn)]
+    rank = len(eqn.outvars[0].aval.shape) if eqn.outvars else -1
+    if name in _ELEMENTWISE and len(eqn.outvars) == 1:
+      carried = [p for p in prods if p is not None and len(p.axes) == rank]
+      if carried and rank == len(eqn.invars[0].aval.shape):
+        return [Product(tuple(union(*axes) for axes in zip(
+            *[p.axes for p in carried])))]
+    return None
+
   def equation(self, eqn, views, tags):
     name = eqn.primitive.name
-    ins = [views.get(v) if _is_var(v) else None for v in eqn.invars]
+    values = [views.get(v) if _is_var(v) else None for v in eqn.invars]
+    ins = [v if isinstance(v, View) else None for v in values]
     in_tags = union(*[tags.get(v, frozenset()) for v in eqn.invars
                        if _is_var(v)])
     n_out = len(eqn.outvars)
     plain = ([None] * n_out, [in_tags] * n_out)
     sub = _sub_jaxprs(eqn)
+    carried = None if sub is not None else self.product(eqn, values)
+    if carried is not None:
+      self.use_plainly(name, ins)  # a bias added to a product, say
+      return carried, [in_tags] * n_out
     if name == "dot_general":
       (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
-      leaves = set()
-      for view, contracting, batch in ((ins[0], lhs_c, lhs_b),
-                                       (ins[1], rhs_c, rhs_b)):
+      leaves, out_axes = set(), [frozenset()] * len(lhs_b)
+      for view, operand, contracting, batch in (
+          (ins[0], eqn.invars[0], lhs_c, lhs_b),
+          (ins[1], eqn.invars[1], rhs_c, rhs_b)):
+        free = [a for a in range(len(operand.aval.shape))
+                if a not in tuple(contracting) + tuple(batch)]
         if view is not None:
-          free = [a for a in range(len(view.axes))
-                  if a not in contracting and a not in batch]
           self.use(view, Use("dot", _axes(view, contracting),
                               _axes(view, free)))
           leaves.add(view.leaf)
-      return [None], [self._params(leaves) if leaves else in_tags]
+          out_axes += [frozenset({(view.leaf, a) for a in view.axes[d]})
+                       for d in free]
+        else:
+          out_axes += [frozenset()] * len(free)
+      product = Product(tuple(out_axes)) if len(leaves) == 1 else None
+      return [product], [self._params(leaves) if leaves else in_tags]
     if name == "ragged_dot_general" and ins[1] is not None:
       numbers = eqn.params["ragged_dot_dimension_numbers"]
       (_, contracting), (_, batch) = numbers.dot_dimension_numbers
@@ -130,6 +215,9 @@ class Analysis:
                 in_tags]
       self.use(ins[0], Use("gather"))
       return plain
+    if name == "unstack" and ins[0] is not None:  # jax >= 0.11: a, b = w
+      return ([_drop_axis(ins[0], eqn.params["axis"])] * n_out,
+              [in_tags] * n_out)
     if name == "concatenate" and sum(v is not None for v in ins) == 1:
       # each operand is a slice of the result along the joined axis
       (view,) = [v for v in ins if v is not None]
@@ -139,16 +227,20 @@ class Analysis:
       if view is not None:
         return [view], [in_tags]
     if sub is not None:
-      return self.call(name, eqn, sub, ins, [tags.get(v, frozenset())
+      return self.call(name, eqn, sub, values, [tags.get(v, frozenset())
                                              if _is_var(v) else frozenset()
                                              for v in eqn.invars])
+    self.use_plainly(name, ins)
+    return plain
+
+  def use_plainly(self, name, ins) -> None:
+    """Records an operation that is no matmul, view or sub-program."""
     for view in ins:
       if view is not None:
         kind = "vector" if name in _ELEMENTWISE else "unknown"
         self.use(view, Use(kind, reason="" if kind == "vector" else
                             f"used through {name}, which the analysis does "
                             "not follow"))
-    return plain
 
   def call(self, name, eqn, sub, ins, in_tags):
     """A primitive with sub-programs: map the operands in, walk, map back."""
@@ -160,7 +252,7 @@ class Analysis:
     if name == "scan":
       (body,) = sub
       consts, carry = scan_operand_counts(eqn.params)
-      sliced = [None if v is None else View(v.leaf, v.axes[1:])
+      sliced = [None if v is None else dataclasses.replace(v, axes=v.axes[1:])
                 for v in ins[consts + carry:]]
       body_ins = ins[:consts + carry] + sliced
       body_tags = list(in_tags)
@@ -185,7 +277,7 @@ class Analysis:
     (inner,) = sub[:1]
     if len(inner.invars) != len(ins):
       for view in ins:
-        if view is not None:
+        if isinstance(view, View):
           self.use(view, Use("unknown", reason=f"used through {name}, whose "
                               "operands the analysis cannot map"))
       return [None] * len(eqn.outvars), [union(*in_tags)] * len(eqn.outvars)
@@ -242,7 +334,7 @@ def _is_index(eqn) -> bool:
 
 
 def _transpose(view, eqn):
-  return View(view.leaf, tuple(view.axes[p]
+  return dataclasses.replace(view, axes=tuple(view.axes[p]
                                 for p in eqn.params["permutation"]))
 
 
@@ -271,27 +363,32 @@ def _reshape(view, eqn):
     covered = union(*[view.axes[a] for a in group_old if a < len(old)])
     axes += [covered] * len([b for b in group_new if b < len(new)])
     i, j = i + 1, j + 1
-  return View(view.leaf, tuple(axes)) if len(axes) == len(new) else None
+  return (dataclasses.replace(view, axes=tuple(axes))
+          if len(axes) == len(new) else None)
 
 
 def _squeeze(view, eqn):
   dims = {d % len(view.axes) for d in eqn.params["dimensions"]}
-  return View(view.leaf, tuple(a for d, a in enumerate(view.axes)
-                                if d not in dims))
+  return dataclasses.replace(view, axes=tuple(
+      a for d, a in enumerate(view.axes) if d not in dims))
+
+
+def _drop_axis(view, axis: int):
+  return dataclasses.replace(view, axes=view.axes[:axis] + view.axes[axis + 1:])
 
 
 def _expand(view, eqn):
   axes = list(view.axes)
   for d in sorted(eqn.params["dimensions"]):
     axes.insert(d, frozenset())
-  return View(view.leaf, tuple(axes))
+  return dataclasses.replace(view, axes=tuple(axes))
 
 
 def _broadcast(view, eqn):
   axes = [frozenset()] * len(eqn.outvars[0].aval.shape)
   for src, dst in enumerate(eqn.params["broadcast_dimensions"]):
     axes[dst] = view.axes[src]
-  return View(view.leaf, tuple(axes))
+  return dataclasses.replace(view, axes=tuple(axes))
 
 
 def _slice(view, eqn):

@@ -114,6 +114,15 @@ def _decide(path, leaf, uses: set, heads: set, index: int, vocab: set):
   role = "conv" if "conv" in kinds else "matrix"
   reason = ("conv kernel: input features and spatial dims are the fan-in"
             if role == "conv" else "contracting dims are the fan-in")
+  for kind, why in (("split", "indexed apart after the matmul (its parts "
+                     "are used separately)"),
+                    ("expert", "a batch dim of another parameter's matmul "
+                     "(an expert axis)")):
+    axes = _uses.union(*[u.output for u in uses if u.kind == kind]) & output
+    if axes and output - axes:
+      output = output - axes
+      reason += (f"; output axis {', '.join(map(str, sorted(axes)))} is "
+                 f"{why}: a batch axis")
   if len(output) > 1 and _EXPERT_NAMES.search(_paths.path_string(path)):
     batch_axis = min(output)
     output = output - {batch_axis}
@@ -134,7 +143,7 @@ def _decide(path, leaf, uses: set, heads: set, index: int, vocab: set):
   dims = MuonDimensionNumbers(reduction_axis=tuple(sorted(reduction)),
                               output_axis=tuple(sorted(output)))
   if re.search(layout_lib.SplitQKV.pattern, _paths.path_string(path),
-               re.IGNORECASE):
+               re.IGNORECASE) and "indexed apart" not in reason:
     reason += "; a fused QKV kernel is one matrix unless split_qkv= is given"
   return role, labels_lib.MUON, dims, reason
 

@@ -214,3 +214,129 @@ def test_concatenated_and_padded_sinks_are_vectors():
   assert layout.roles["sinks"] == "vector", layout.reasons["sinks"]
   assert layout.roles["bias"] == "vector", layout.reasons["bias"]
   assert layout.labels["sinks"] == "adam"
+
+
+# -- structure over names: what the program does with a matmul's product ------
+
+def _attention(q_kernel_spec, kv):
+  def attend(params, x):
+    q = jnp.einsum(q_kernel_spec, x, params["q"])
+    k, v = kv(x, params)
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k)
+    out = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores), v)
+    return jnp.einsum("btnh,nhd->btd", out, params["o"])
+  return attend
+
+
+GEMMA_KV = lambda x, p: jnp.einsum("bsd,ckdh->cbskh", x, p["kv_einsum"])
+LLAMA_KV = lambda x, p: (jnp.einsum("bsd,dkh->bskh", x, p["k"]),
+                         jnp.einsum("bsd,dkh->bskh", x, p["v"]))
+X = gaussian((2, 5, 16), 9)
+
+
+def _per_matrix_update(grad, to_matrices, from_matrices):
+  matrices = to_matrices(np.asarray(grad))
+  scale = np.sqrt(max(matrices.shape[-2:]))
+  return from_matrices(np.asarray(om.newton_schulz(jnp.asarray(matrices)))
+                       * scale)
+
+
+def _direction(params, layout, grads):
+  tx = om.scale_by_muon(layout=layout)
+  return tx.update(grads, tx.init(params), params)[0]
+
+
+def test_llama_and_gemma_query_kernels_are_one_matrix_each():
+  llama = {"q": jnp.zeros((16, 2, 8)), "k": jnp.zeros((16, 2, 8)),
+           "v": jnp.zeros((16, 2, 8)), "o": jnp.zeros((2, 8, 16))}
+  layout = om.infer_layout(_attention("btd,dnh->btnh", LLAMA_KV), llama, X,
+                           output=lambda out: ())
+  assert layout.dimension_numbers["q"] == MDN((0,), (1, 2))  # (D, N, H)
+  assert layout.dimension_numbers["o"] == MDN((0, 1), (2,))
+  gemma = {"q": jnp.zeros((2, 16, 8)), "kv_einsum": jnp.zeros((2, 2, 16, 8)),
+           "o": jnp.zeros((2, 8, 16))}
+  layout = om.infer_layout(_attention("btd,ndh->btnh", GEMMA_KV), gemma, X,
+                           output=lambda out: ())
+  assert layout.dimension_numbers["q"] == MDN((1,), (0, 2))  # (N, D, H)
+
+
+def test_gemmas_fused_kv_is_two_matrices():
+  params = {"q": jnp.zeros((2, 16, 8)), "kv_einsum": jnp.zeros((2, 2, 16, 8)),
+            "o": jnp.zeros((2, 8, 16))}
+  layout = om.infer_layout(_attention("btd,ndh->btnh", GEMMA_KV), params, X,
+                           output=lambda out: ())
+  assert layout.dimension_numbers["kv_einsum"] == MDN((2,), (1, 3))
+  assert "indexed apart" in layout.reasons["kv_einsum"]
+  grads = {k: gaussian(v.shape, 3) for k, v in params.items()}
+  got = _direction(params, layout, grads)["kv_einsum"]
+  # K and V: each a D × K·H matrix
+  want = _per_matrix_update(
+      grads["kv_einsum"],
+      lambda g: g.transpose(0, 2, 1, 3).reshape(2, 16, 16),
+      lambda m: m.reshape(2, 16, 2, 8).transpose(0, 2, 1, 3))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_gemmas_fused_qkv_is_three_matrices():
+  def attend(params, x):
+    q, k, v = jnp.einsum("btd,cndh->cbtnh", x, params["qkv_einsum"])
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k)
+    out = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores), v)
+    return jnp.einsum("btnh,nhd->btd", out, params["o"])
+
+  params = {"qkv_einsum": jnp.zeros((3, 2, 16, 8)), "o": jnp.zeros((2, 8, 16))}
+  layout = om.infer_layout(attend, params, X, output=lambda out: ())
+  assert layout.dimension_numbers["qkv_einsum"] == MDN((2,), (1, 3))
+  grads = {k: gaussian(v.shape, 4) for k, v in params.items()}
+  got = _direction(params, layout, grads)["qkv_einsum"]
+  want = _per_matrix_update(
+      grads["qkv_einsum"],
+      lambda g: g.transpose(0, 2, 1, 3).reshape(3, 16, 16),
+      lambda m: m.reshape(3, 16, 2, 8).transpose(0, 2, 1, 3))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_a_dense_moe_under_any_name_has_an_expert_axis():
+  # MaxText's MoeBlock_0/wi_0: no "expert" or "moe" path component needed
+  def block(params, x):
+    p = params["MoeBlock_0"]
+    hidden = jax.nn.gelu(jnp.einsum("btd,edh->bteh", x, p["wi_0"]))
+    out = jnp.einsum("bteh,ehd->bted", hidden, p["wo"])
+    weights = jax.nn.softmax(x @ p["gate"])
+    return jnp.einsum("bted,bte->btd", out, weights)
+
+  params = {"MoeBlock_0": {"wi_0": jnp.zeros((4, 16, 32)),
+                           "wo": jnp.zeros((4, 32, 16)),
+                           "gate": jnp.zeros((16, 4))}}
+  layout = om.infer_layout(block, params, X, output=lambda out: ())
+  dims = layout.dimension_numbers["MoeBlock_0"]
+  assert dims["wi_0"] == MDN((1,), (2,)) and dims["wo"] == MDN((1,), (2,))
+  assert "expert axis" in layout.reasons["MoeBlock_0"]["wi_0"]
+  grads = jax.tree.map(lambda v: gaussian(v.shape, 5), params)
+  got = _direction(params, layout, grads)["MoeBlock_0"]["wi_0"]
+  want = _per_matrix_update(grads["MoeBlock_0"]["wi_0"], lambda g: g,
+                            lambda m: m)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_a_fused_qkv_kernel_sliced_into_wide_parts_stays_one_matrix():
+  # slices wider than one index (q | k | v columns) are not indexed apart
+  def attend(params, x):
+    qkv = x @ params["qkv"]
+    q, k, v = qkv[..., :16], qkv[..., 16:32], qkv[..., 32:]
+    return (jax.nn.softmax(q @ k.swapaxes(-1, -2)) @ v) @ params["o"]
+
+  params = {"qkv": jnp.zeros((16, 48)), "o": jnp.zeros((16, 16))}
+  layout = om.infer_layout(attend, params, X, output=lambda out: ())
+  assert layout.dimension_numbers["qkv"] == MDN((0,), (1,))
+
+
+def test_a_stacked_weight_unpacked_by_python_is_one_matrix_per_part():
+  # `a, b = w`: jax <= 0.10 slices and squeezes, jax >= 0.11 unstacks
+  def f(params, x):
+    first, second = params["w"]
+    return jnp.tanh(x @ first) @ second
+
+  layout = om.infer_layout(f, {"w": jnp.zeros((2, 8, 8))}, jnp.ones((2, 8)),
+                           output=lambda out: ())
+  assert layout.dimension_numbers["w"] == MDN((1,), (2,))
