@@ -43,7 +43,12 @@ from optax_muon import scaling
 
 ROLES = ("matrix", "conv", "embedding", "head", "vector", "unknown", "unused")
 
-_EXPERT_NAMES = re.compile(r"(^|/)(expert|experts|moe)(/|$)", re.IGNORECASE)
+# The fallback when the program does not show the expert axis (the structural
+# rule: a product axis batched with another param's matmul): a path
+# component that names experts (MaxText's MoeBlock_0, moe_layers,
+# routed_experts, GptOssMlp; expert, experts, moe).
+_EXPERT_NAMES = re.compile(r"(^|/)[^/]*(expert|moe|gptossmlp)[^/]*(/|$)",
+                           re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)

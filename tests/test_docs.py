@@ -4,7 +4,10 @@ README's `small` comparison table is the recorded one."""
 
 import inspect
 import json
+import os
 import re
+import subprocess
+import sys
 
 import optax
 import pytest
@@ -31,6 +34,19 @@ def test_code_block_runs(path, number, block):
     exec(compile(block, f"{path.name}[{number}]", "exec"), {})
   except Exception as error:  # pylint: disable=broad-except
     pytest.fail(f"{path.name} block {number} raised {error!r}:\n{block}")
+
+
+def test_the_sharding_block_runs_on_one_device():
+  # the tests simulate 8 CPU devices; a reader's laptop has one
+  (block,) = [b for b in _blocks(ROOT / "docs" / "guide.md")
+              if "model_axis = min(jax.device_count()" in b]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  result = subprocess.run([sys.executable, "-c", block + (
+      "\nassert jax.device_count() == 1"
+      "\nprint('losses', auto)")], env=dict(env, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "losses" in result.stdout
 
 
 def test_migration_tables_cover_every_argument_and_field():

@@ -340,3 +340,30 @@ def test_a_stacked_weight_unpacked_by_python_is_one_matrix_per_part():
   layout = om.infer_layout(f, {"w": jnp.zeros((2, 8, 8))}, jnp.ones((2, 8)),
                            output=lambda out: ())
   assert layout.dimension_numbers["w"] == MDN((1,), (2,))
+
+
+class GemmaKVLoRA(nnx.Module):
+  """Gemma's fused kv_einsum with a qwix-shaped LoRA: B is (r, 2, K, H)."""
+
+  def __init__(self, rngs):
+    init = nnx.initializers.normal(0.1)
+    self.q = nnx.Param(init(rngs.params(), (2, 16, 8)))
+    self.kv = nnx.Param(init(rngs.params(), (2, 2, 16, 8)))
+    self.kv_a = nnx.LoRAParam(init(rngs.params(), (16, 4)))
+    self.kv_b = nnx.LoRAParam(init(rngs.params(), (4, 2, 2, 8)))
+    self.o = nnx.Param(init(rngs.params(), (2, 8, 16)))
+
+  def __call__(self, x):
+    q = jnp.einsum("btd,ndh->btnh", x, self.q[...])
+    kv = (jnp.einsum("bsd,ckdh->cbskh", x, self.kv[...]) +
+          jnp.einsum("bsr,rckh->cbskh", x @ self.kv_a[...], self.kv_b[...]))
+    k, v = kv
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k)
+    out = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores), v)
+    return jnp.einsum("btnh,nhd->btd", out, self.o[...])
+
+
+def test_gemmas_kv_lora_b_is_two_matrices_like_its_base():
+  layout = om.infer_layout(GemmaKVLoRA(nnx.Rngs(0)), X, wrt=nnx.LoRAParam)
+  assert layout.labels["kv_a"] == layout.labels["kv_b"] == "muon"
+  assert layout.dimension_numbers["kv_b"] == MDN((0,), (2, 3))
