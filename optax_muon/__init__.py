@@ -3,6 +3,9 @@
 from optax.contrib import MuonDimensionNumbers
 
 from optax_muon import compat
+from optax_muon.adaptive import adaptive_muon
+from optax_muon.adaptive import scale_by_adaptive_muon
+from optax_muon.adaptive import scale_by_moment2
 from optax_muon.alias import muon
 from optax_muon.alias import scale_by_muon
 from optax_muon.coefficients import COEFFICIENT_SETS
@@ -37,6 +40,7 @@ __all__ = (
     "SplitQKV",
     "TensorParallel",
     "adamw_rms_match_factor",
+    "adaptive_muon",
     "clip_qk",
     "compat",
     "coefficient_schedule",
@@ -49,6 +53,8 @@ __all__ = (
     "orthogonality_error",
     "orthogonalize",
     "qk_clip",
+    "scale_by_adaptive_muon",
+    "scale_by_moment2",
     "scale_by_muon",
     "scale_by_shape",
     "scale_factor",

@@ -245,9 +245,34 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
   References:
     Jordan et al., `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024
   """
+  labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
+  direction = scale_by_muon(
+      beta=beta, nesterov=nesterov, momentum_style=momentum_style,
+      mu_dtype=mu_dtype, coefficients=coefficients, steps=steps,
+      precision=precision, method=method, scale_mode=scale_mode,
+      extra_scale_factor=extra_scale_factor,
+      match_adamw_update_rms=match_adamw_update_rms, adamw_beta1=adam_b1,
+      dimension_numbers=dimension_numbers, split_qkv=split_qkv,
+      sharding=sharding, preconditioning=preconditioning)
+  return route(direction, learning_rate, weight_decay=weight_decay,
+               weight_decay_mask=weight_decay_mask, labels=labels,
+               scalar_optimizer=scalar_optimizer,
+               adam_learning_rate=adam_learning_rate, adam_b1=adam_b1,
+               adam_b2=adam_b2, adam_eps=adam_eps,
+               adam_weight_decay=adam_weight_decay,
+               adam_weight_decay_mask=adam_weight_decay_mask)
+
+
+def route(direction: optax.GradientTransformation, learning_rate, *,
+          weight_decay=0.0, weight_decay_mask=None, labels=None,
+          scalar_optimizer: str = "adam", adam_learning_rate=None,
+          adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8, adam_weight_decay=0.0,
+          adam_weight_decay_mask=None) -> optax.GradientTransformation:
+  """A Muon-family ``direction`` for the ``"muon"`` leaves, with decoupled
+  weight decay and the learning rate, beside AdamW (or Lion) for the
+  ``"adam"`` leaves and nothing for the ``"none"`` ones (see ``muon``)."""
   _check_learning_rate("learning_rate", learning_rate)
   _check_learning_rate("adam_learning_rate", adam_learning_rate, optional=True)
-  labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
   _checks.check_choice("scalar_optimizer", scalar_optimizer, SCALAR_OPTIMIZERS)
   _checks.check_range("weight_decay", weight_decay, 0.0, np.inf)
   _checks.check_range("adam_weight_decay", adam_weight_decay, 0.0, np.inf)
@@ -255,14 +280,7 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
   _checks.check_range("adam_b2", adam_b2, 0.0, 1.0)
   _checks.check_range("adam_eps", adam_eps, 0.0, np.inf)
   muon_chain = optax.chain(
-      scale_by_muon(
-          beta=beta, nesterov=nesterov, momentum_style=momentum_style,
-          mu_dtype=mu_dtype, coefficients=coefficients, steps=steps,
-          precision=precision, method=method, scale_mode=scale_mode,
-          extra_scale_factor=extra_scale_factor,
-          match_adamw_update_rms=match_adamw_update_rms, adamw_beta1=adam_b1,
-          dimension_numbers=dimension_numbers, split_qkv=split_qkv,
-          sharding=sharding, preconditioning=preconditioning),
+      direction,
       optax.add_decayed_weights(
           weight_decay, _mask_by_path("weight_decay_mask", weight_decay_mask)),
       optax.scale_by_learning_rate(learning_rate),

@@ -9,6 +9,7 @@ Field names and defaults follow verl's ``actor.optim`` and Megatron-Core's
 """
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -20,6 +21,7 @@ import optax
 
 from optax_muon import _checks
 from optax_muon import _paths
+from optax_muon import adaptive
 from optax_muon import alias
 from optax_muon import coefficients
 from optax_muon import layout as layout_lib
@@ -29,7 +31,7 @@ from optax_muon import qk_clip as qk_clip_lib
 from optax_muon import scaling
 from optax_muon import sharding as sharding_lib
 
-OPTIMIZERS = ("adam", "muon")
+OPTIMIZERS = ("adam", "muon", "adaptive_muon")
 TP_MODES = sharding_lib.MODES
 
 
@@ -38,7 +40,9 @@ class MuonConfig:
   """Optimizer settings under verl / Megatron-Core names, checked when made.
 
   Attributes:
-    optimizer: ``"adam"`` (AdamW everywhere) or ``"muon"``.
+    optimizer: ``"adam"`` (AdamW everywhere), ``"muon"``, or
+      ``"adaptive_muon"`` (Megatron-Core's name: ``om.adaptive_muon`` with
+      the ``muon_*`` settings and the ``adaptive_muon_*`` ones below).
     lr: learning rate of both groups (verl's default 1e-6, for fine-tuning;
       ``build`` may pass a schedule instead).
     adam_lr: the AdamW (scalar) group's own learning rate with
@@ -71,6 +75,9 @@ class MuonConfig:
       ``max_logits=``.
     qk_clip_threshold: its ``τ`` (> 0).
     qk_clip_alpha: the share of the rescale given to the queries, [0, 1].
+    adaptive_muon_moment2_method: ``"adamuon"``, ``"normuon"`` or ``"namo"``.
+    adaptive_muon_beta2: the second moment's decay, [0, 1).
+    adaptive_muon_eps: the second moment's eps, >= 0.
   """
   optimizer: str = "adam"
   lr: float = 1e-6
@@ -95,6 +102,9 @@ class MuonConfig:
   qk_clip: bool = False
   qk_clip_threshold: float = 100.0
   qk_clip_alpha: float = 0.5
+  adaptive_muon_moment2_method: str = "adamuon"
+  adaptive_muon_beta2: float = 0.95
+  adaptive_muon_eps: float = 1e-8
 
   def __post_init__(self):
     hints = typing.get_type_hints(type(self))
@@ -106,7 +116,8 @@ class MuonConfig:
         "muon_coefficient_type": tuple(coefficients.COEFFICIENT_SETS),
         "muon_fp32_matmul_prec": newton_schulz.PRECISIONS,
         "muon_scalar_optimizer": alias.SCALAR_OPTIMIZERS,
-        "muon_momentum_style": momentum.MOMENTUM_STYLES}
+        "muon_momentum_style": momentum.MOMENTUM_STYLES,
+        "adaptive_muon_moment2_method": adaptive.MOMENT2_METHODS}
     for name, accepted in choices.items():
       _checks.check_choice(name, getattr(self, name), accepted)
     if self.muon_tp_mode is not None:
@@ -124,6 +135,10 @@ class MuonConfig:
     for i, beta in enumerate(self.betas):
       _checks.check_range(f"betas[{i}]", beta, 0.0, 1.0)
     _checks.check_range("muon_momentum", self.muon_momentum, 0.0, 1.0)
+    _checks.check_range("adaptive_muon_beta2", self.adaptive_muon_beta2, 0.0,
+                        1.0)
+    _checks.check_range("adaptive_muon_eps", self.adaptive_muon_eps, 0.0,
+                        math.inf)
     _checks.check_int("muon_num_ns_steps", self.muon_num_ns_steps, minimum=1)
     _checks.check_positive("qk_clip_threshold", self.qk_clip_threshold)
     if not 0.0 <= self.qk_clip_alpha <= 1.0:
@@ -152,7 +167,8 @@ class MuonConfig:
     fields = parse_fields(cls, values)
     config = cls(**fields)
     defaults = cls()
-    ignored = sorted(n for n in fields if n.startswith(("muon_", "adam_lr"))
+    ignored = sorted(n for n in fields if n.startswith(
+        ("muon_", "adam_lr", "adaptive_muon_"))
                      and getattr(config, n) != getattr(defaults, n))
     if config.optimizer == "adam" and ignored:
       warnings.warn(f"optimizer='adam' ignores the fields that were set: "
@@ -256,7 +272,14 @@ class MuonConfig:
     check_split = self.muon_split_qkv and split is None
     if check_split and params is not None:
       _check_no_fused_qkv(params)
-    tx = optax.chain(*clip, alias.muon(
+    if self.optimizer == "adaptive_muon":
+      optimizer = functools.partial(
+          adaptive.adaptive_muon,
+          moment2_method=self.adaptive_muon_moment2_method,
+          beta2=self.adaptive_muon_beta2, moment2_eps=self.adaptive_muon_eps)
+    else:
+      optimizer = alias.muon
+    tx = optax.chain(*clip, optimizer(
         lr, beta=self.muon_momentum, nesterov=self.muon_nesterov,
         momentum_style=self.muon_momentum_style,
         coefficients=self.muon_coefficient_type, steps=self.muon_num_ns_steps,

@@ -26,6 +26,10 @@ DEFAULTS = {
     "muon_scalar_optimizer": "adam", "muon_match_adamw_update_rms": False,
     "muon_momentum_style": "ema", "qk_clip": False, "qk_clip_threshold": 100.0,
     "qk_clip_alpha": 0.5,
+    # Megatron-Core 0.19's OptimizerConfig (shared reference, mcore fields)
+    "adaptive_muon_moment2_method": "adamuon",
+    "adaptive_muon_beta2": 0.95,
+    "adaptive_muon_eps": 1e-8,
 }
 
 

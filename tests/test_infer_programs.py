@@ -367,3 +367,16 @@ def test_gemmas_kv_lora_b_is_two_matrices_like_its_base():
   layout = om.infer_layout(GemmaKVLoRA(nnx.Rngs(0)), X, wrt=nnx.LoRAParam)
   assert layout.labels["kv_a"] == layout.labels["kv_b"] == "muon"
   assert layout.dimension_numbers["kv_b"] == MDN((0,), (2, 3))
+
+
+def test_adapters_with_a_closed_over_base_are_matrices_not_heads():
+  # only the adapters are params; the frozen base is closed over
+  base = {"up": gaussian((16, 32), 1), "head": gaussian((32, 10), 2)}
+
+  def forward(adapters, x):
+    h = jax.nn.relu(x @ base["up"] + (x @ adapters["a"]) @ adapters["b"])
+    return h @ base["head"]
+
+  adapters = {"a": jnp.zeros((16, 4)), "b": jnp.zeros((4, 32))}
+  layout = om.infer_layout(forward, adapters, jnp.ones((2, 16)))
+  assert layout.roles == {"a": "matrix", "b": "matrix"}, layout.reasons

@@ -1,0 +1,189 @@
+"""AdaptiveMuon (AdaMuon, NorMuon, NAMO) against NVIDIA emerging-optimizers
+0.3.0's own outputs (tests/data/eo_adaptive_muon.*, copied from the shared
+reference: torch (out, in) weights, 3 steps each)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_muon as om
+from conftest import DATA, gaussian
+
+REFERENCE = json.loads((DATA / "eo_adaptive_muon.json").read_text())
+ARRAYS = np.load(DATA / "eo_adaptive_muon.npz")
+CASES = {case["id"]: case for case in REFERENCE["cases"]}
+MDN = om.MuonDimensionNumbers
+
+
+def _optimizer(case, orientation):
+  kw = case["effective_kwargs"]
+  # a torch weight is (out, in): fan-in is axis 1; a Flax kernel is W.T
+  dims = MDN((1,), (0,)) if orientation == "torch" else MDN((0,), (1,))
+  return om.adaptive_muon(
+      kw["lr"], moment2_method=kw["moment2_method"], beta2=kw["beta2"],
+      moment2_eps=kw["eps"], beta=kw["momentum"], nesterov=kw["nesterov"],
+      coefficients=kw["coefficient_type"], steps=kw["num_ns_steps"],
+      precision="highest", scale_mode=kw["scale_mode"],
+      extra_scale_factor=kw["extra_scale_factor"],
+      weight_decay=kw["weight_decay"], labels={"w": "muon"},
+      dimension_numbers={"w": dims})
+
+
+def _close(got, want, rtol):
+  want = np.asarray(want, np.float32)
+  np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want,
+                             atol=rtol * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("orientation", ["torch", "flax"])
+@pytest.mark.parametrize("case_id", sorted(CASES))
+def test_every_adaptive_muon_case_matches_eo(case_id, orientation):
+  case = CASES[case_id]
+  turn = (lambda x: np.asarray(x)) if orientation == "torch" else (
+      lambda x: np.swapaxes(np.asarray(x), -1, -2))
+  tx = _optimizer(case, orientation)
+  params = {"w": jnp.asarray(turn(ARRAYS[f"{case['input']}/W0"]))}
+  grads = ARRAYS[f"{case['input']}/grads"]
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  kw = case["effective_kwargs"]
+  for k in range(case["n_steps"]):
+    step = lambda key: ARRAYS[f"{case_id}/{k}/{key}"]
+    g = {"w": jnp.asarray(turn(grads[k]))}
+    updates, state = update(g, state, params)
+    params = optax.apply_updates(params, updates)
+    inner = state.inner_states["muon"].inner_state[0]
+    momentum = inner.momentum.mu["w"]
+    moment2 = inner.moment2.moment2["w"][0][0]
+    _close(turn(momentum), step("momentum_buffer"), 1e-5)
+    # the state is per matrix in its (fan_in, fan_out) view, EO's torch
+    # buffer (out, in), (out, 1) or (1, in) transposed
+    _close(moment2, step("moment2_buffer").T, 1e-5)
+    direction = (1 - kw["momentum"]) * g["w"] + kw["momentum"] * momentum if (
+        kw["nesterov"]) else momentum
+    _close(turn(om.newton_schulz(direction)), step("orth"), 1e-5)
+    # AdaMuon divides by √v where the NS output is ~0: EO's own float32 is
+    # 1.6e-2 from float64 there (its checks say so)
+    loose = 2e-2 if case["method"] == "adamuon" else 1e-5
+    _close(turn(-updates["w"] / kw["lr"] - kw["weight_decay"] * (
+        params["w"] - updates["w"])), step("update"), loose)
+    _close(turn(params["w"]), step("param"), loose)
+
+
+def test_normuon_averages_over_the_shorter_axis():
+  # a planted bug (the longer axis) gives a state of the other shape
+  for shape, want in (((32, 48), (1, 1, 48)), ((48, 32), (1, 48, 1)),
+                      ((32, 32), (1, 1, 32))):
+    tx = om.scale_by_moment2("normuon", dimension_numbers=MDN((0,), (1,)))
+    state = tx.init({"w": jnp.zeros(shape)})
+    assert state.moment2["w"][0].shape == want
+
+
+def test_namo_needs_the_raw_gradients_and_directions():
+  tx = om.scale_by_moment2("namo")
+  params = {"w": gaussian((8, 16))}
+  with pytest.raises(ValueError, match="gradients="):
+    tx.update(params, tx.init(params))
+
+
+def test_stacked_leaves_get_the_rule_per_matrix():
+  # two stacked 16x24 matrices: each its own normuon statistics
+  grads = {"w": gaussian((2, 16, 24), 3)}
+  stacked = om.scale_by_adaptive_muon(moment2_method="normuon",
+                                      dimension_numbers="leading")
+  one = om.scale_by_adaptive_muon(moment2_method="normuon")
+  got, _ = stacked.update(grads, stacked.init(grads))
+  for i in range(2):
+    single = {"w": grads["w"][i]}
+    want, _ = one.update(single, one.init(single))
+    np.testing.assert_allclose(got["w"][i], want["w"], atol=1e-5)
+
+
+def test_bad_values_raise_naming_the_argument():
+  with pytest.raises(ValueError, match="moment2_method"):
+    om.adaptive_muon(0.01, moment2_method="bogus")
+  with pytest.raises(ValueError, match="beta2"):
+    om.adaptive_muon(0.01, beta2=1.5)
+
+
+def test_config_builds_adaptive_muon_from_verl_overrides():
+  config = om.MuonConfig.from_overrides([
+      "actor_rollout_ref.actor.optim.optimizer=adaptive_muon",
+      "optim.adaptive_muon_moment2_method=normuon"])
+  assert (config.optimizer, config.adaptive_muon_moment2_method,
+          config.adaptive_muon_beta2, config.adaptive_muon_eps) == (
+              "adaptive_muon", "normuon", 0.95, 1e-8)
+  params = {"w": gaussian((16, 32))}
+  tx = config.build(1e-2)
+  updates, _ = tx.update(params, tx.init(params), params)
+  assert updates["w"].shape == (16, 32)
+  with pytest.raises(ValueError) as error:
+    om.MuonConfig.from_overrides(["optim.optimizer=adaptive_muon",
+                                  "optim.adaptive_muon_moment2_method=bogus"])
+  message = str(error.value)
+  assert "\n" not in message and "adaptive_muon_moment2_method" in message
+  assert "normuon" in message
+
+
+@pytest.mark.parametrize("method", ["normuon", "namo"])
+def test_config_update_rms_is_eos_not_megatrons_double_scaled(method):
+  # MCore 0.19's wrapper applies the shape scale twice for normuon and namo
+  # (x sqrt(48) on a 48 x 32 weight); EO applies it once, and so do we
+  case = CASES[f"adaptive_muon/{method}/base/48x32"]
+  kw = case["effective_kwargs"]
+  config = om.MuonConfig(
+      optimizer="adaptive_muon", adaptive_muon_moment2_method=method,
+      lr=kw["lr"], weight_decay=0.0, clip_grad=0.0,
+      muon_momentum=kw["momentum"], muon_fp32_matmul_prec="highest")
+  w = jnp.asarray(ARRAYS["48x32/W0"]).T  # a Flax kernel (in, out)
+  g = jnp.asarray(ARRAYS["48x32/grads"][0]).T
+  tx = config.build(kw["lr"])
+  updates, _ = tx.update({"w": g}, tx.init({"w": w}), {"w": w})
+  rms = float(jnp.sqrt(jnp.mean(jnp.square(updates["w"] / kw["lr"]))))
+  eo = ARRAYS[f"{case['id']}/0/update"]
+  eo_rms = float(np.sqrt(np.mean(np.square(eo))))
+  assert rms == pytest.approx(eo_rms, rel=1e-4)
+  assert rms != pytest.approx(eo_rms * np.sqrt(48), rel=0.5)
+
+
+# -- sharded: Newton–Schulz in the tp mode, the second moment under GSPMD -----
+
+@pytest.mark.parametrize("mesh_shape", [(8,), (2, 4), (4, 2)])
+@pytest.mark.parametrize("method", ["adamuon", "normuon", "namo"])
+def test_exact_tp_modes_equal_the_unsharded_update(method, mesh_shape):
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  names = ("model",) if len(mesh_shape) == 1 else ("data", "model")
+  mesh = jax.make_mesh(mesh_shape, names,
+                       axis_types=(AxisType.Explicit,) * len(mesh_shape))
+  params = {"wide": gaussian((32, 64), 1), "tall": gaussian((64, 32), 2),
+            "stacked": gaussian((2, 32, 48), 3)}
+  specs = {"wide": P(None, "model"), "tall": P("model", None),
+           "stacked": P(None, None, "model")}
+  reference = om.scale_by_adaptive_muon(moment2_method=method,
+                                        dimension_numbers="leading")
+  expected = params
+  state = reference.init(params)
+  for _ in range(2):
+    expected, state = reference.update(params, state)
+  for mode in ("duplicated", "distributed", "allgather"):
+    tx = om.scale_by_adaptive_muon(
+        moment2_method=method, dimension_numbers="leading",
+        sharding=om.TensorParallel(mesh, mode=mode))
+    sharded = jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    with jax.set_mesh(mesh):
+      state = tx.init(sharded)
+      step = jax.jit(tx.update)
+      for _ in range(2):
+        got, state = step(sharded, state)
+    for name, spec in specs.items():
+      assert got[name].sharding.spec == spec, (mode, name)
+      # AdaMuon divides by √v where the NS output is ~0 (see above)
+      tol = 2e-2 if method == "adamuon" else 1e-5
+      np.testing.assert_allclose(
+          got[name], expected[name], err_msg=f"{mode} {name}",
+          atol=tol * float(jnp.abs(expected[name]).max()))
