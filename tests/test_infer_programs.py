@@ -246,6 +246,19 @@ def _direction(params, layout, grads):
   return tx.update(grads, tx.init(params), params)[0]
 
 
+def _assert_one_matrix_per_part(params, layout, name):
+  """A fused (parts, heads, D, H) kernel's update is, for each part, the
+  per-matrix Newton–Schulz of its D × heads·H matrix."""
+  parts, heads, d, h = params[name].shape
+  grads = {k: gaussian(v.shape, 3) for k, v in params.items()}
+  got = _direction(params, layout, grads)[name]
+  want = _per_matrix_update(
+      grads[name],
+      lambda g: g.transpose(0, 2, 1, 3).reshape(parts, d, heads * h),
+      lambda m: m.reshape(parts, d, heads, h).transpose(0, 2, 1, 3))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 def test_llama_and_gemma_query_kernels_are_one_matrix_each():
   llama = {"q": jnp.zeros((16, 2, 8)), "k": jnp.zeros((16, 2, 8)),
            "v": jnp.zeros((16, 2, 8)), "o": jnp.zeros((2, 8, 16))}
@@ -267,14 +280,7 @@ def test_gemmas_fused_kv_is_two_matrices():
                            output=lambda out: ())
   assert layout.dimension_numbers["kv_einsum"] == MDN((2,), (1, 3))
   assert "indexed apart" in layout.reasons["kv_einsum"]
-  grads = {k: gaussian(v.shape, 3) for k, v in params.items()}
-  got = _direction(params, layout, grads)["kv_einsum"]
-  # K and V: each a D × K·H matrix
-  want = _per_matrix_update(
-      grads["kv_einsum"],
-      lambda g: g.transpose(0, 2, 1, 3).reshape(2, 16, 16),
-      lambda m: m.reshape(2, 16, 2, 8).transpose(0, 2, 1, 3))
-  np.testing.assert_allclose(got, want, atol=1e-5)
+  _assert_one_matrix_per_part(params, layout, "kv_einsum")  # K and V
 
 
 def test_gemmas_fused_qkv_is_three_matrices():
@@ -287,13 +293,7 @@ def test_gemmas_fused_qkv_is_three_matrices():
   params = {"qkv_einsum": jnp.zeros((3, 2, 16, 8)), "o": jnp.zeros((2, 8, 16))}
   layout = om.infer_layout(attend, params, X, output=lambda out: ())
   assert layout.dimension_numbers["qkv_einsum"] == MDN((2,), (1, 3))
-  grads = {k: gaussian(v.shape, 4) for k, v in params.items()}
-  got = _direction(params, layout, grads)["qkv_einsum"]
-  want = _per_matrix_update(
-      grads["qkv_einsum"],
-      lambda g: g.transpose(0, 2, 1, 3).reshape(3, 16, 16),
-      lambda m: m.reshape(3, 16, 2, 8).transpose(0, 2, 1, 3))
-  np.testing.assert_allclose(got, want, atol=1e-5)
+  _assert_one_matrix_per_part(params, layout, "qkv_einsum")  # Q, K and V
 
 
 def test_a_dense_moe_under_any_name_has_an_expert_axis():
