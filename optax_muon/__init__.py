@@ -7,6 +7,8 @@ from optax_muon.adaptive import adaptive_muon
 from optax_muon.adaptive import scale_by_adaptive_muon
 from optax_muon.adaptive import scale_by_moment2
 from optax_muon.alias import muon
+from optax_muon.hyperball import hyperball
+from optax_muon.hyperball import muon_hyperball
 from optax_muon.alias import scale_by_muon
 from optax_muon.coefficients import COEFFICIENT_SETS
 from optax_muon.coefficients import coefficient_schedule
@@ -22,11 +24,17 @@ from optax_muon.layout import SplitQKV
 from optax_muon.momentum import momentum
 from optax_muon.newton_schulz import newton_schulz
 from optax_muon.orthogonalize import orthogonalize
+from optax_muon.polargrad import polargrad
+from optax_muon.polargrad import scale_by_polargrad
 from optax_muon.qk_clip import clip_qk
 from optax_muon.qk_clip import qk_clip
 from optax_muon.scaling import adamw_rms_match_factor
 from optax_muon.scaling import scale_by_shape
 from optax_muon.scaling import scale_factor
+from optax_muon.spectral import add_spectral_clipped_weight_decay
+from optax_muon.spectral import spectral_clip
+from optax_muon.spectral import spectral_clipped_weight_decay
+from optax_muon.spectral import spectral_hardcap
 from optax_muon.sharding import TensorParallel
 from optax_muon.sharding import zero1_sharding
 
@@ -40,25 +48,33 @@ __all__ = (
     "SplitQKV",
     "TensorParallel",
     "adamw_rms_match_factor",
+    "add_spectral_clipped_weight_decay",
     "adaptive_muon",
     "clip_qk",
     "compat",
     "coefficient_schedule",
     "default_labels",
     "describe",
+    "hyperball",
     "infer_layout",
     "momentum",
     "muon",
+    "muon_hyperball",
     "newton_schulz",
     "orthogonality_error",
     "orthogonalize",
+    "polargrad",
     "qk_clip",
     "scale_by_adaptive_muon",
     "scale_by_moment2",
     "scale_by_muon",
+    "scale_by_polargrad",
     "scale_by_shape",
     "scale_factor",
     "singular_value_spread",
+    "spectral_clip",
+    "spectral_clipped_weight_decay",
+    "spectral_hardcap",
     "update_rms",
     "zero1_sharding",
 )

@@ -30,8 +30,10 @@ import optax
 from optax_muon import _checks
 from optax_muon import alias
 from optax_muon import layout as layout_lib
-from optax_muon import momentum as momentum_lib
-from optax_muon import orthogonalize as orthogonalize_lib
+# the functions by their own modules: the package's names are the functions
+from optax_muon.momentum import MOMENTUM_STYLES
+from optax_muon.momentum import momentum as momentum_transform
+from optax_muon.orthogonalize import orthogonalize as orthogonalize_transform
 from optax_muon import scaling
 
 MOMENT2_METHODS = ("adamuon", "normuon", "namo")
@@ -194,15 +196,15 @@ def scale_by_adaptive_muon(*, moment2_method: str = "adamuon", beta2=0.95,
     NVIDIA emerging-optimizers 0.3.0, ``AdaptiveMuon``
   """
   _checks.check_choice("momentum_style", momentum_style,
-                       momentum_lib.MOMENTUM_STYLES)
+                       MOMENTUM_STYLES)
   _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
   _, dimension_numbers = alias.from_layout(layout, None, dimension_numbers)
   extra = alias.resolve_extra_scale_factor(extra_scale_factor,
                                            match_adamw_update_rms, adamw_beta1)
   views = dict(dimension_numbers=dimension_numbers, split_qkv=split_qkv)
-  momentum = momentum_lib.momentum(beta, nesterov=nesterov,
+  momentum = momentum_transform(beta, nesterov=nesterov,
                                    style=momentum_style, dtype=mu_dtype)
-  orthogonalize = orthogonalize_lib.orthogonalize(
+  orthogonalize = orthogonalize_transform(
       coefficients=coefficients, steps=steps, precision=precision,
       sharding=sharding, **views)
   moment2 = scale_by_moment2(moment2_method, beta2, moment2_eps, **views)

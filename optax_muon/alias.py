@@ -267,9 +267,11 @@ def route(direction: optax.GradientTransformation, learning_rate, *,
           weight_decay=0.0, weight_decay_mask=None, labels=None,
           scalar_optimizer: str = "adam", adam_learning_rate=None,
           adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8, adam_weight_decay=0.0,
-          adam_weight_decay_mask=None) -> optax.GradientTransformation:
+          adam_weight_decay_mask=None, muon_step=None
+          ) -> optax.GradientTransformation:
   """A Muon-family ``direction`` for the ``"muon"`` leaves, with decoupled
-  weight decay and the learning rate, beside AdamW (or Lion) for the
+  weight decay and the learning rate (or ``muon_step``, a transform that
+  turns the direction into the step itself), beside AdamW (or Lion) for the
   ``"adam"`` leaves and nothing for the ``"none"`` ones (see ``muon``)."""
   _check_learning_rate("learning_rate", learning_rate)
   _check_learning_rate("adam_learning_rate", adam_learning_rate, optional=True)
@@ -279,12 +281,12 @@ def route(direction: optax.GradientTransformation, learning_rate, *,
   _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
   _checks.check_range("adam_b2", adam_b2, 0.0, 1.0)
   _checks.check_range("adam_eps", adam_eps, 0.0, np.inf)
-  muon_chain = optax.chain(
-      direction,
-      optax.add_decayed_weights(
-          weight_decay, _mask_by_path("weight_decay_mask", weight_decay_mask)),
-      optax.scale_by_learning_rate(learning_rate),
-  )
+  muon_chain = optax.chain(direction, muon_step) if muon_step else (
+      optax.chain(
+          direction,
+          optax.add_decayed_weights(weight_decay, _mask_by_path(
+              "weight_decay_mask", weight_decay_mask)),
+          optax.scale_by_learning_rate(learning_rate)))
   scalar_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
   scalar_mask = (_matrices_only if adam_weight_decay_mask is None else
                  _mask_by_path("adam_weight_decay_mask",

@@ -1,0 +1,113 @@
+"""PolarGrad: the polar factor scaled by the momentum's nuclear norm, as
+NVIDIA emerging-optimizers' ``PolarGrad`` computes it.
+
+For each matrix of a Muon leaf::
+
+  u = momentum(g);  O = newton_schulz(u) ≈ U Vᵀ
+  update = ⟨O, u⟩ · extra · O            # ⟨O, u⟩ ≈ ‖u‖_* (nuclear norm)
+
+that is steepest descent under the spectral norm, where Muon (no scale) is
+its linear-minimization form. No shape scale.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_muon import _checks
+from optax_muon import alias
+from optax_muon import layout as layout_lib
+# the functions by their own modules: the package's names are the functions
+from optax_muon.momentum import MOMENTUM_STYLES
+from optax_muon.momentum import momentum as momentum_transform
+from optax_muon.orthogonalize import orthogonalize as orthogonalize_transform
+
+
+class PolarGradState(NamedTuple):
+  momentum: Any
+
+
+def scale_by_polargrad(*, beta=0.95, nesterov: bool = False,
+                       momentum_style: str = "ema", mu_dtype=None,
+                       coefficients="quintic", steps=5,
+                       precision: str = "highest", extra_scale_factor=1.0,
+                       dimension_numbers=None, layout=None
+                       ) -> optax.GradientTransformation:
+  r"""PolarGrad's direction: ``⟨O, u⟩ · extra · O`` per matrix (see the
+  module docstring).
+
+  Args:
+    beta, nesterov, momentum_style, mu_dtype, coefficients, steps,
+      precision, dimension_numbers, layout: as in ``scale_by_muon``
+      (``nesterov`` defaults to EO's ``False``).
+    extra_scale_factor: a factor on the update, > 0.
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  References:
+    Lau et al., `PolarGrad <https://arxiv.org/abs/2505.21799>`_, 2025
+  """
+  _checks.check_positive("extra_scale_factor", extra_scale_factor)
+  _, dimension_numbers = alias.from_layout(layout, None, dimension_numbers)
+  momentum = momentum_transform(beta, nesterov=nesterov,
+                                   style=momentum_style, dtype=mu_dtype)
+  orthogonalize = orthogonalize_transform(
+      coefficients=coefficients, steps=steps, precision=precision,
+      dimension_numbers=dimension_numbers)
+  resolve_views = layout_lib.view_resolver(dimension_numbers)
+
+  def init_fn(params):
+    orthogonalize.init(params)
+    return PolarGradState(momentum.init(params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    directions, momentum_state = momentum.update(updates, state.momentum)
+    orthogonal, _ = orthogonalize.update(directions, optax.EmptyState())
+    treedef = jax.tree.structure(updates)
+    scaled = []
+    for (_, o, view), u in zip(resolve_views(orthogonal),
+                               treedef.flatten_up_to(directions)):
+      (o_matrices,), (u_matrices,) = view.to_matrices(o), view.to_matrices(u)
+      scale = jnp.sum(o_matrices.astype(jnp.float32) *
+                      u_matrices.astype(jnp.float32), axis=(-2, -1),
+                      keepdims=True)
+      scaled.append(view.from_matrices(
+          [(o_matrices * scale * extra_scale_factor).astype(o.dtype)]))
+    return (jax.tree.unflatten(treedef, scaled),
+            PolarGradState(momentum_state))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def polargrad(learning_rate, *, beta=0.95, nesterov: bool = False,
+              momentum_style: str = "ema", mu_dtype=None,
+              coefficients="quintic", steps=5, precision: str = "highest",
+              extra_scale_factor=1.0, dimension_numbers=None, layout=None,
+              weight_decay=0.0, weight_decay_mask=None, labels=None,
+              **scalar_kwargs) -> optax.GradientTransformation:
+  r"""PolarGrad for the matrices, AdamW for the rest: ``om.muon``'s routing
+  with ``scale_by_polargrad`` as the direction;
+  ``p ← p − lr · (scale_by_polargrad(g) + weight_decay · p)``.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    The others: as in ``scale_by_polargrad`` and ``om.muon``
+      (``scalar_kwargs``: ``scalar_optimizer`` and the ``adam_*`` ones).
+
+  Returns:
+    An ``optax.GradientTransformation``.
+  """
+  labels, dimension_numbers = alias.from_layout(layout, labels,
+                                                dimension_numbers)
+  direction = scale_by_polargrad(
+      beta=beta, nesterov=nesterov, momentum_style=momentum_style,
+      mu_dtype=mu_dtype, coefficients=coefficients, steps=steps,
+      precision=precision, extra_scale_factor=extra_scale_factor,
+      dimension_numbers=dimension_numbers)
+  return alias.route(direction, learning_rate, weight_decay=weight_decay,
+                     weight_decay_mask=weight_decay_mask, labels=labels,
+                     **scalar_kwargs)

@@ -1,0 +1,163 @@
+"""Spectral clipping: singular values clipped to a range, through the matrix
+sign function (Newton–Schulz), as NVIDIA emerging-optimizers computes it.
+
+For ``X = U Σ Vᵀ`` (each matrix of ``x``, in its wide orientation) and
+``O = newton_schulz(X) ≈ U Vᵀ``::
+
+  spectral_clip(X, σ_min, σ_max) = ½ [(σ_min + σ_max) O
+                                    + sign(σ_min I − O Xᵀ)(σ_min O − X)
+                                    − sign(σ_max I − O Xᵀ)(σ_max O − X)]
+                                 ≈ U clip(Σ, σ_min, σ_max) Vᵀ
+  spectral_hardcap(X, β) = ½ [β O + X − (β O − X) sign(β O − X)ᵀ O]
+                         ≈ U min(Σ, β) Vᵀ
+
+with ``sign`` 8 steps of the ``polar_express`` schedule. The decay
+``(1 − c) X + c · spectral_hardcap(X, β)`` shrinks only the singular values
+above ``β``.
+
+References:
+  Cesista, `Spectral clipping
+  <https://leloykun.github.io/ponder/spectral-clipping/>`_, 2025
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_muon import _checks
+from optax_muon import layout as layout_lib
+from optax_muon.newton_schulz import newton_schulz
+
+_SIGN_STEPS = 8
+_SIGN_SCHEDULE = "polar_express"
+
+
+def _check_share(c) -> None:
+  if not _checks.is_traced(c) and not 0.0 <= float(c) <= 1.0:
+    raise ValueError(f"c must be in [0, 1], got {c!r}")
+
+
+def _sign(x: jax.Array) -> jax.Array:
+  return newton_schulz(x, coefficients=_SIGN_SCHEDULE, steps=_SIGN_STEPS)
+
+
+def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
+  return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def _wide(fn):
+  """Applies ``fn`` to each matrix of ``x`` (leading axes batch) in its wide
+  orientation, in float32, and returns the input's orientation and dtype."""
+
+  def wrapped(x, *args):
+    x = jnp.asarray(x)
+    work = x.astype(jnp.float32)
+    tall = work.shape[-2] > work.shape[-1]
+    if tall:
+      work = jnp.swapaxes(work, -1, -2)
+    out = fn(work, *args)
+    return (jnp.swapaxes(out, -1, -2) if tall else out).astype(x.dtype)
+
+  return wrapped
+
+
+@_wide
+def _clip(x, sigma_min, sigma_max):
+  o = _sign(x)
+  eye = jnp.eye(x.shape[-2], dtype=x.dtype)
+  gram = _mm(o, jnp.swapaxes(x, -1, -2))
+  result = (sigma_min + sigma_max) * o
+  for bound, sign in ((sigma_min, 1.0), (sigma_max, -1.0)):
+    result = result + sign * _mm(_sign(bound * eye - gram), bound * o - x)
+  return 0.5 * result
+
+
+@_wide
+def _hardcap(x, beta):
+  o = _sign(x)
+  gap = beta * o - x
+  return 0.5 * (beta * o + x - _mm(_mm(gap, jnp.swapaxes(_sign(gap), -1, -2)),
+                                   o))
+
+
+def spectral_clip(x: jax.Array, sigma_min=-1.0, sigma_max=1.0) -> jax.Array:
+  """Each matrix of ``x`` (``(..., m, n)``) with its singular values clipped
+  to ``[sigma_min, sigma_max]`` (see the module docstring).
+
+  Args:
+    x: an array of at least 2 axes; leading axes are independent matrices.
+    sigma_min: the lower bound (EO's default -1: no lower clip).
+    sigma_max: the upper bound.
+
+  Returns:
+    An array of ``x``'s shape and dtype.
+  """
+  if jnp.ndim(x) < 2:
+    raise ValueError(f"spectral_clip needs a matrix, got shape {jnp.shape(x)}")
+  if not _checks.is_traced(sigma_min) and not _checks.is_traced(sigma_max) and (
+      sigma_min > sigma_max):
+    raise ValueError(f"sigma_min={sigma_min} must not exceed "
+                     f"sigma_max={sigma_max}")
+  return _clip(x, sigma_min, sigma_max)
+
+
+def spectral_hardcap(x: jax.Array, beta=1.0) -> jax.Array:
+  """Each matrix of ``x`` with its singular values capped at ``beta``.
+
+  Args:
+    x: an array of at least 2 axes; leading axes are independent matrices.
+    beta: the cap, > 0.
+
+  Returns:
+    An array of ``x``'s shape and dtype.
+  """
+  if jnp.ndim(x) < 2:
+    raise ValueError(
+        f"spectral_hardcap needs a matrix, got shape {jnp.shape(x)}")
+  _checks.check_positive("beta", beta)
+  return _hardcap(x, beta)
+
+
+def spectral_clipped_weight_decay(x: jax.Array, beta=1.0, c=0.5) -> jax.Array:
+  """``(1 − c) x + c · spectral_hardcap(x, beta)``: EO's spectral version of
+  decoupled weight decay (only singular values above ``beta`` shrink)."""
+  _check_share(c)
+  return (1 - c) * x + c * spectral_hardcap(x, beta)
+
+
+def add_spectral_clipped_weight_decay(beta=1.0, c=0.5, *,
+                                      dimension_numbers=None
+                                      ) -> optax.GradientTransformation:
+  """Adds ``spectral_clipped_weight_decay(p) − p`` to each update, after the
+  learning rate (the parameter moves as EO's decay moves it).
+
+  Args:
+    beta: the singular-value cap.
+    c: the share of the way to the capped matrix, in ``[0, 1]``.
+    dimension_numbers: the matrix views, as in ``scale_by_muon`` (a leaf of
+      3+ axes needs them).
+
+  Returns:
+    An ``optax.GradientTransformation`` that needs ``params``.
+  """
+  _checks.check_positive("beta", beta)
+  _check_share(c)
+  resolve_views = layout_lib.view_resolver(dimension_numbers)
+
+  def init_fn(params):
+    resolve_views(params)  # bad views raise here
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("add_spectral_clipped_weight_decay needs the params")
+    decayed = []
+    for _, leaf, view in resolve_views(params):
+      (matrices,) = view.to_matrices(leaf)
+      decayed.append(view.from_matrices(
+          [spectral_clipped_weight_decay(matrices, beta, c)]) - leaf)
+    decayed = jax.tree.unflatten(jax.tree.structure(params), decayed)
+    return jax.tree.map(lambda u, d: u + d.astype(u.dtype), updates,
+                        decayed), state
+
+  return optax.GradientTransformation(init_fn, update_fn)

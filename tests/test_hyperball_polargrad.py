@@ -1,0 +1,97 @@
+"""MuonHyperball and PolarGrad against NVIDIA emerging-optimizers 0.3.0
+outputs (tests/data/eo_muon_hyperball.*; inputs shared with eo_adaptive_muon.npz)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_muon as om
+from conftest import DATA, gaussian
+
+REFERENCE = json.loads((DATA / "eo_muon_hyperball.json").read_text())
+ARRAYS = np.load(DATA / "eo_muon_hyperball.npz")
+INPUTS = np.load(DATA / "eo_adaptive_muon.npz")
+CASES = {case["id"]: case for case in REFERENCE["cases"]}
+MDN = om.MuonDimensionNumbers
+
+
+def _close(got, want, rtol=1e-5):
+  want = np.asarray(want, np.float32)
+  np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want,
+                             atol=rtol * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("orientation", ["torch", "flax"])
+@pytest.mark.parametrize("case_id", sorted(CASES))
+def test_every_muon_hyperball_case_matches_eo(case_id, orientation):
+  case = CASES[case_id]
+  kw = case["effective_kwargs"]
+  turn = (lambda x: np.asarray(x)) if orientation == "torch" else (
+      lambda x: np.swapaxes(np.asarray(x), -1, -2))
+  dims = MDN((1,), (0,)) if orientation == "torch" else MDN((0,), (1,))
+  tx = om.muon_hyperball(
+      kw["lr"], radius=kw["hyperball_radius"],
+      hyperball_eps=kw["hyperball_eps"], weight_decay=kw["weight_decay"],
+      beta=kw["momentum"], nesterov=kw["nesterov"], precision="highest",
+      labels={"w": "muon"}, dimension_numbers={"w": dims})
+  params = {"w": jnp.asarray(turn(INPUTS[f"{case['input']}/W0"]))}
+  grads = INPUTS[f"{case['input']}/grads"]
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for k in range(case["n_steps"]):
+    updates, state = update({"w": jnp.asarray(turn(grads[k]))}, state, params)
+    params = optax.apply_updates(params, updates)
+    step = lambda key: ARRAYS[f"{case_id}/{k}/{key}"]
+    _close(turn(params["w"]), step("param"))
+    # the applied step keeps the norm: the radius EO used this step
+    np.testing.assert_allclose(float(jnp.linalg.norm(params["w"])),
+                               float(step("hyperball_R")[0]), rtol=1e-5)
+    inner = state.inner_states["muon"].inner_state[0][0]
+    _close(turn(inner.mu["w"]), step("momentum_buffer"))
+
+
+def test_weight_decay_without_a_radius_shrinks_the_radius():
+  params = {"w": gaussian((16, 32), 1)}
+  radius = float(jnp.linalg.norm(params["w"]))
+  tx = om.muon_hyperball(0.1, weight_decay=0.5, labels={"w": "muon"})
+  state = tx.init(params)
+  for _ in range(3):
+    updates, state = tx.update({"w": gaussian((16, 32), 2)}, state, params)
+    params = optax.apply_updates(params, updates)
+    radius *= 1 - 0.1 * 0.5
+    assert float(jnp.linalg.norm(params["w"])) == pytest.approx(radius,
+                                                                rel=1e-5)
+
+
+# -- PolarGrad (the same EO inputs) -------------------------------------------
+
+POLARGRAD = json.loads((DATA / "eo_polargrad.json").read_text())["cases"]
+POLARGRAD_ARRAYS = np.load(DATA / "eo_polargrad.npz")
+
+
+@pytest.mark.parametrize("orientation", ["torch", "flax"])
+@pytest.mark.parametrize("case", POLARGRAD, ids=[c["id"] for c in POLARGRAD])
+def test_every_polargrad_case_matches_eo(case, orientation):
+  kw = case["effective_kwargs"]
+  turn = (lambda x: np.asarray(x)) if orientation == "torch" else (
+      lambda x: np.swapaxes(np.asarray(x), -1, -2))
+  dims = MDN((1,), (0,)) if orientation == "torch" else MDN((0,), (1,))
+  tx = om.polargrad(kw["lr"], beta=kw["momentum"], nesterov=kw["nesterov"],
+                    weight_decay=kw["weight_decay"], labels={"w": "muon"},
+                    dimension_numbers={"w": dims})
+  params = {"w": jnp.asarray(turn(INPUTS[f"{case['input']}/W0"]))}
+  grads = INPUTS[f"{case['input']}/grads"]
+  state = tx.init(params)
+  for k in range(case["n_steps"]):
+    before = params["w"]
+    updates, state = tx.update({"w": jnp.asarray(turn(grads[k]))}, state,
+                               params)
+    params = optax.apply_updates(params, updates)
+    step = lambda key: POLARGRAD_ARRAYS[f"{case['id']}/{k}/{key}"]
+    _close(turn(params["w"]), step("param"))
+    _close(turn(-updates["w"] / kw["lr"] - kw["weight_decay"] * before),
+           step("update"))
