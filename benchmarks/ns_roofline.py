@@ -56,8 +56,9 @@ def main():
     side = args.rate_size or (256 if quick else 1024)
     level = {"highest": jax.lax.Precision.HIGHEST}.get(
         precision, jax.lax.Precision.DEFAULT)
-    square = jax.random.normal(jax.random.key(1), (side, side),
-                               "bfloat16" if precision == "medium" else "float32")
+    dtype = {"medium": "bfloat16", "fp16": "float16"}.get(precision,
+                                                           "float32")
+    square = jax.random.normal(jax.random.key(1), (side, side), dtype)
     matmul = jax.jit(lambda a: jax.numpy.matmul(a, a, precision=level))
     for m, n in shapes:
       x = jax.random.normal(jax.random.key(0), (m, n))

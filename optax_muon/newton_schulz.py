@@ -7,7 +7,8 @@ import numpy as np
 from optax_muon import _checks
 from optax_muon import coefficients as coefficients_lib
 
-PRECISIONS = ("highest", "high", "medium")
+PRECISIONS = ("highest", "high", "medium", "fp16")
+_ROUNDED = {"medium": jnp.bfloat16, "fp16": jnp.float16}
 
 
 def working_dtype(dtype) -> jnp.dtype:
@@ -18,12 +19,14 @@ def working_dtype(dtype) -> jnp.dtype:
 
 
 def check_precision_for(dtype, precision: str, where: str = "x") -> None:
-  """Raises ValueError for complex input at ``"medium"`` (no complex bf16)."""
-  if precision == "medium" and jnp.issubdtype(dtype, jnp.complexfloating):
+  """Raises ValueError for complex input at ``"medium"`` or ``"fp16"`` (no
+  complex bf16 or fp16)."""
+  if precision in _ROUNDED and jnp.issubdtype(dtype, jnp.complexfloating):
     raise ValueError(
-        f"precision='medium' rounds every product to bfloat16, which has no "
-        f"complex type, but {where} is {jnp.dtype(dtype).name}; accepted "
-        "precisions for complex matrices: ['highest', 'high']")
+        f"precision={precision!r} rounds every product to "
+        f"{jnp.dtype(_ROUNDED[precision]).name}, which has no complex type, "
+        f"but {where} is {jnp.dtype(dtype).name}; accepted precisions for "
+        "complex matrices: ['highest', 'high']")
 
 
 def conj_transpose(x: jax.Array) -> jax.Array:
@@ -36,12 +39,16 @@ def matmul(a: jax.Array, b: jax.Array, precision: str) -> jax.Array:
 
   ``"highest"``: fp32 at ``Precision.HIGHEST``; ``"high"``: fp32 at the
   backend's default (TF32 on GPUs); ``"medium"``: bf16 operands, fp32
-  accumulation, the product rounded to bf16 (Megatron-Core's default).
+  accumulation, the product rounded to bf16 (Megatron-Core's default);
+  ``"fp16"``: the same in float16 (XLA's ``F16_F16_F32``): 3 more mantissa
+  bits than bf16, and no overflow since the iteration's matrices are
+  normalized in fp32 first (entries below ~10).
   """
-  if precision == "medium":
-    product = jnp.matmul(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+  if precision in _ROUNDED:
+    low = _ROUNDED[precision]
+    product = jnp.matmul(a.astype(low), b.astype(low),
                          preferred_element_type=jnp.float32)
-    return product.astype(jnp.bfloat16).astype(jnp.float32)
+    return product.astype(low).astype(jnp.float32)
   level = (jax.lax.Precision.HIGHEST if precision == "highest"
            and jax.default_backend() != "cpu" else jax.lax.Precision.DEFAULT)
   # XLA:CPU multiplies fp32 in full precision at every level; its DEFAULT path
@@ -279,7 +286,7 @@ def newton_schulz(x: jax.Array, *, coefficients="quintic", steps=5,
     x: array of shape ``(..., m, n)``.
     coefficients: a name in ``COEFFICIENT_SETS`` or a list of ``(a, b, c)``.
     steps: number of steps (an int ≥ 1; may be traced).
-    precision: ``"highest"``, ``"high"`` or ``"medium"`` (see ``matmul``;
+    precision: ``"highest"``, ``"high"``, ``"medium"`` or ``"fp16"`` (see ``matmul``;
       not ``"medium"`` for complex ``x``).
     eps: floor of the Frobenius norm, reached only by the zero matrix.
 

@@ -132,7 +132,7 @@ def orthogonalize(*, coefficients="quintic", steps=5,
   Args:
     coefficients: a name in ``COEFFICIENT_SETS`` or a list of ``(a, b, c)``.
     steps: Newton–Schulz steps, an int ≥ 1 (may be traced).
-    precision: ``"highest"``, ``"high"`` or ``"medium"``.
+    precision: ``"highest"``, ``"high"``, ``"medium"`` or ``"fp16"``.
     method: ``"standard"`` or ``"gram"``: Gram Newton–Schulz (iterate on the
       m×m Gram matrix, restart once after step 1) for the groups whose aspect
       ratio is at least 2.5, where it saves FLOPs (also with ``steps``
