@@ -20,6 +20,7 @@ from optax_muon.infer import Layout
 from optax_muon.infer import describe
 from optax_muon.infer import infer_layout
 from optax_muon.labels import default_labels
+from optax_muon.layout import SplitGateUp
 from optax_muon.layout import SplitQKV
 from optax_muon.momentum import momentum
 from optax_muon.newton_schulz import newton_schulz
@@ -45,6 +46,7 @@ __all__ = (
     "Layout",
     "MuonConfig",
     "MuonDimensionNumbers",
+    "SplitGateUp",
     "SplitQKV",
     "TensorParallel",
     "adamw_rms_match_factor",

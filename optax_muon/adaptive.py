@@ -62,7 +62,8 @@ def _frobenius(x: jax.Array) -> jax.Array:
 
 
 def scale_by_moment2(method: str = "adamuon", beta2=0.95, eps=1e-8, *,
-                     dimension_numbers=None, split_qkv=None, layout=None
+                     dimension_numbers=None, split_qkv=None, layout=None,
+                     split_gate_up=None
                      ) -> optax.GradientTransformationExtraArgs:
   r"""Normalizes orthogonalized updates by a running second moment.
 
@@ -74,8 +75,8 @@ def scale_by_moment2(method: str = "adamuon", beta2=0.95, eps=1e-8, *,
       or ``"namo"`` (one scalar per matrix).
     beta2: the second moment's decay, in ``[0, 1)``.
     eps: ``adamuon`` and ``namo`` add it to ``√v``; ``normuon`` floors ``v``.
-    dimension_numbers, split_qkv, layout: the matrix views, as in
-      ``scale_by_muon``.
+    dimension_numbers, split_qkv, layout, split_gate_up: the matrix views,
+      as in ``scale_by_muon``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; with ``"namo"`` its update
@@ -93,7 +94,8 @@ def scale_by_moment2(method: str = "adamuon", beta2=0.95, eps=1e-8, *,
   _checks.check_range("beta2", beta2, 0.0, 1.0)
   _checks.check_range("moment2_eps", eps, 0.0, np.inf)
   _, dimension_numbers = alias.from_layout(layout, None, dimension_numbers)
-  resolve_views = layout_lib.view_resolver(dimension_numbers, split_qkv)
+  resolve_views = layout_lib.view_resolver(dimension_numbers, split_qkv,
+                                           split_gate_up)
 
   def init_fn(params):
     moments = []
@@ -168,7 +170,8 @@ def scale_by_adaptive_muon(*, moment2_method: str = "adamuon", beta2=0.95,
                            extra_scale_factor=None,
                            match_adamw_update_rms: bool = False,
                            adamw_beta1=0.9, dimension_numbers=None,
-                           split_qkv=None, sharding=None, layout=None
+                           split_qkv=None, sharding=None, layout=None,
+                           split_gate_up=None
                            ) -> optax.GradientTransformation:
   r"""AdaptiveMuon's direction: momentum, raw Newton–Schulz, second moment,
   then the shape scale (EO's order)::
@@ -184,7 +187,8 @@ def scale_by_adaptive_muon(*, moment2_method: str = "adamuon", beta2=0.95,
     moment2_eps: the second moment's eps (see ``scale_by_moment2``).
     beta, nesterov, momentum_style, mu_dtype, coefficients, steps,
       precision, scale_mode, extra_scale_factor, match_adamw_update_rms,
-      adamw_beta1, dimension_numbers, split_qkv, sharding, layout: as in
+      adamw_beta1, dimension_numbers, split_qkv, sharding, layout,
+      split_gate_up: as in
       ``scale_by_muon``. With ``sharding``, Newton–Schulz runs in its
       ``mode`` and the second moment on the whole (GSPMD-sharded) matrices:
       the same statistics in every mode.
@@ -201,7 +205,8 @@ def scale_by_adaptive_muon(*, moment2_method: str = "adamuon", beta2=0.95,
   _, dimension_numbers = alias.from_layout(layout, None, dimension_numbers)
   extra = alias.resolve_extra_scale_factor(extra_scale_factor,
                                            match_adamw_update_rms, adamw_beta1)
-  views = dict(dimension_numbers=dimension_numbers, split_qkv=split_qkv)
+  views = dict(dimension_numbers=dimension_numbers, split_qkv=split_qkv,
+               split_gate_up=split_gate_up)
   momentum = momentum_transform(beta, nesterov=nesterov,
                                    style=momentum_style, dtype=mu_dtype)
   orthogonalize = orthogonalize_transform(
@@ -234,7 +239,7 @@ def adaptive_muon(learning_rate, *, moment2_method: str = "adamuon",
                   precision: str = "highest", scale_mode: str = "spectral",
                   extra_scale_factor=None, match_adamw_update_rms: bool = False,
                   dimension_numbers=None, split_qkv=None, sharding=None,
-                  layout=None, weight_decay=0.0, weight_decay_mask=None,
+                  layout=None, split_gate_up=None, weight_decay=0.0, weight_decay_mask=None,
                   labels=None, scalar_optimizer: str = "adam",
                   adam_learning_rate=None, adam_b1=0.9, adam_b2=0.999,
                   adam_eps=1e-8, adam_weight_decay=0.0,
@@ -268,7 +273,7 @@ def adaptive_muon(learning_rate, *, moment2_method: str = "adamuon",
       extra_scale_factor=extra_scale_factor,
       match_adamw_update_rms=match_adamw_update_rms, adamw_beta1=adam_b1,
       dimension_numbers=dimension_numbers, split_qkv=split_qkv,
-      sharding=sharding)
+      split_gate_up=split_gate_up, sharding=sharding)
   return alias.route(direction, learning_rate, weight_decay=weight_decay,
                      weight_decay_mask=weight_decay_mask, labels=labels,
                      scalar_optimizer=scalar_optimizer,

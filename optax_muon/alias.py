@@ -54,7 +54,8 @@ def scale_by_muon(*, beta=0.95, nesterov: bool = True,
                   extra_scale_factor=None, match_adamw_update_rms: bool = False,
                   adamw_beta1=0.9, dimension_numbers=None, split_qkv=None,
                   sharding=None, preconditioning: str = "frobenius",
-                  layout=None) -> optax.GradientTransformation:
+                  layout=None, split_gate_up=None
+                  ) -> optax.GradientTransformation:
   r"""Muon's direction: momentum, orthogonalized, scaled by shape.
 
   For each matrix ``G`` (``fan_in × fan_out``) of each leaf::
@@ -89,6 +90,8 @@ def scale_by_muon(*, beta=0.95, nesterov: bool = True,
     sharding: ``None`` or a ``TensorParallel``.
     preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"`` or
       ``"schatten"`` (see ``orthogonalize``).
+    split_gate_up: ``SplitGateUp`` (fused gated-MLP kernels: gate and up
+      orthogonalized and scaled apart), a tree of them or a callable.
     layout: an ``om.Layout`` (``om.infer_layout``): its dimension numbers,
       looked up by path (it may cover more leaves than this transform sees);
       not together with ``dimension_numbers``.
@@ -112,7 +115,7 @@ def scale_by_muon(*, beta=0.95, nesterov: bool = True,
   extra = resolve_extra_scale_factor(extra_scale_factor, match_adamw_update_rms,
                                      adamw_beta1)
   layout_args = dict(dimension_numbers=dimension_numbers, split_qkv=split_qkv,
-                     sharding=sharding)
+                     split_gate_up=split_gate_up, sharding=sharding)
   return optax.chain(
       momentum_lib.momentum(beta, nesterov=nesterov, style=momentum_style,
                             dtype=mu_dtype),
@@ -203,7 +206,7 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
          adam_learning_rate=None, adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,
          adam_weight_decay=0.0, adam_weight_decay_mask=None,
          preconditioning: str = "frobenius",
-         layout=None) -> optax.GradientTransformation:
+         layout=None, split_gate_up=None) -> optax.GradientTransformation:
   r"""Muon for the matrices, AdamW (or Lion) for everything else.
 
   Muon leaves: ``p ← p − lr · (scale_by_muon(g) + weight_decay · p)``
@@ -221,7 +224,7 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
     learning_rate: Muon's learning rate, a float or an optax schedule.
     beta, nesterov, momentum_style, mu_dtype, coefficients, steps, precision,
       method, scale_mode, extra_scale_factor, dimension_numbers, split_qkv,
-      sharding, preconditioning: see ``scale_by_muon``.
+      split_gate_up, sharding, preconditioning: see ``scale_by_muon``.
     match_adamw_update_rms: scale Muon updates to AdamW's RMS using
       ``adam_b1``, so that ``learning_rate`` can be AdamW's.
     weight_decay: decoupled weight decay of the Muon leaves.
@@ -253,7 +256,8 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
       extra_scale_factor=extra_scale_factor,
       match_adamw_update_rms=match_adamw_update_rms, adamw_beta1=adam_b1,
       dimension_numbers=dimension_numbers, split_qkv=split_qkv,
-      sharding=sharding, preconditioning=preconditioning)
+      split_gate_up=split_gate_up, sharding=sharding,
+      preconditioning=preconditioning)
   return route(direction, learning_rate, weight_decay=weight_decay,
                weight_decay_mask=weight_decay_mask, labels=labels,
                scalar_optimizer=scalar_optimizer,

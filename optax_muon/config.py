@@ -198,7 +198,8 @@ class MuonConfig:
   def build(self, learning_rate=None, *, params=None, mesh=None,
             split_qkv: layout_lib.SplitQKV | None = None, labels=None,
             specs=None, attention=None, layout=None, dimension_numbers=None,
-            tp_axis: str = "model") -> optax.GradientTransformation:
+            tp_axis: str = "model", split_gate_up=None
+            ) -> optax.GradientTransformation:
     """The optimizer: global-norm clip, then AdamW or Muon + AdamW, then
     QK-clip when ``qk_clip``.
 
@@ -221,6 +222,8 @@ class MuonConfig:
       dimension_numbers: as in ``muon``.
       tp_axis: the mesh axis that ``muon_tp_mode`` runs over (any name:
         ``"model"``, Tunix's ``"tp"``, ...).
+      split_gate_up: ``om.SplitGateUp`` for fused gated-MLP kernels
+        (Megatron's ``is_gated_fc1`` split), as in ``muon``.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -287,6 +290,7 @@ class MuonConfig:
         extra_scale_factor=self.muon_extra_scale_factor,
         match_adamw_update_rms=self.muon_match_adamw_update_rms,
         split_qkv=split, sharding=sharding, weight_decay=self.weight_decay,
+        split_gate_up=split_gate_up,
         weight_decay_mask=decay_mask, labels=labels, layout=layout,
         dimension_numbers=dimension_numbers,
         scalar_optimizer=self.muon_scalar_optimizer,

@@ -275,7 +275,7 @@ def _table(rows, scale_of=scaling.scale_factor) -> str:
 
 
 def describe(params, *, labels=None, dimension_numbers=None, split_qkv=None,
-             layout=None, scale_mode: str = "spectral",
+             split_gate_up=None, layout=None, scale_mode: str = "spectral",
              match_adamw_update_rms: bool = False, extra_scale_factor=None,
              adam_b1=0.9) -> str:
   """The routing table for the given ``om.muon`` settings (defaults
@@ -283,7 +283,7 @@ def describe(params, *, labels=None, dimension_numbers=None, split_qkv=None,
 
   Args:
     params: the parameter tree (arrays, shape structs or ``nnx.State``).
-    labels, dimension_numbers, split_qkv, layout, scale_mode,
+    labels, dimension_numbers, split_qkv, split_gate_up, layout, scale_mode,
       match_adamw_update_rms, extra_scale_factor, adam_b1: as in
       ``om.muon``.
 
@@ -309,11 +309,12 @@ def describe(params, *, labels=None, dimension_numbers=None, split_qkv=None,
       lambda leaf, label: leaf if label == labels_lib.MUON else
       optax.MaskedNode(), params, label_tree)
   view_of = {path: view for path, _, view in layout_lib.view_resolver(
-      dimension_numbers, split_qkv)(muon_only)}
+      dimension_numbers, split_qkv, split_gate_up)(muon_only)}
   rows = []
   for path, leaf in leaves:
     view = view_of.get(path)
-    role = ("split qkv" if view is not None and view.widths else
+    role = (("split qkv" if len(view.widths) == 3 else "split gate/up")
+            if view is not None and view.widths else
             "matrix" if view is not None else "—")
     rows.append((path, leaf, role, label_of[path], view))
   return _table(rows, lambda fan_out, fan_in: float(extra) * (

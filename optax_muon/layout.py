@@ -56,6 +56,10 @@ class SplitQKV:
       raise ValueError(f"split_qkv.layout={self.layout!r} is not accepted; "
                        f"accepted values: {list(QKV_LAYOUTS)}")
 
+  def groups_and_widths_for(self, fan_out: int):
+    del fan_out  # the head counts fix the widths
+    return self.groups_and_widths
+
   @property
   def groups_and_widths(self) -> tuple[int, tuple[int, int, int]]:
     """The fan-out axis as ``groups × (q, k, v)`` widths."""
@@ -64,6 +68,34 @@ class SplitQKV:
       return 1, (q, kv, kv)
     group_q = self.num_heads // self.num_kv_heads * self.head_dim
     return self.num_kv_heads, (group_q, self.head_dim, self.head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitGateUp:
+  """Split a fused gated-MLP kernel ``(in, 2·ffn)`` (SwiGLU, GeGLU) into its
+  gate and up matrices, each orthogonalized and scaled on its own, as
+  Megatron-Core does for a gated ``linear_fc1`` (``is_gated_fc1``).
+
+  Attributes:
+    groups: ``1``: the fan-out is ``[gate | up]``; ``G``: it is ``G`` groups
+      of ``[gate_g | up_g]``, the layout of a kernel whose fan-out is
+      sharded ``G`` ways with each shard holding its own gate and up halves
+      (Megatron's ``partition_stride=2``), which ``blockwise`` needs.
+    pattern: regex found in a leaf's path (lower-cased, ``/``-joined) that
+      marks it as fused, when ``SplitGateUp`` is given for all leaves.
+  """
+  groups: int = 1
+  pattern: str = "gate_up"
+
+  def __post_init__(self):
+    if isinstance(self.groups, bool) or not isinstance(self.groups, int) or (
+        self.groups < 1):
+      raise ValueError(
+          f"split_gate_up.groups must be a positive int, got {self.groups!r}")
+
+  def groups_and_widths_for(self, fan_out: int) -> tuple[int, tuple[int, int]]:
+    half = fan_out // (2 * self.groups)
+    return self.groups, (half, half)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +179,7 @@ LEADING = "leading"
 
 def matrix_view(shape: Sequence[int],
                 dimension_numbers: MuonDimensionNumbers | str | None = None,
-                split_qkv: SplitQKV | None = None,
+                split_qkv: "SplitQKV | SplitGateUp | None" = None,
                 where: str = "a leaf") -> MatrixView:
   """The ``MatrixView`` of a leaf of ``shape``.
 
@@ -156,7 +188,8 @@ def matrix_view(shape: Sequence[int],
     dimension_numbers: which axes are fan-in and fan-out; ``None``: a 2-axis
       leaf is ``(in, out)`` (Flax kernels); ``"leading"``: the last two axes
       are ``(in, out)`` and the rest batch axes.
-    split_qkv: split fan-out into Q, K and V.
+    split_qkv: split fan-out into Q, K and V (``SplitQKV``) or into gate
+      and up (``SplitGateUp``).
     where: how errors name the leaf (its path).
 
   Returns:
@@ -194,10 +227,12 @@ def matrix_view(shape: Sequence[int],
   view = MatrixView(shape, batch, reduction, output)
   if split_qkv is None:
     return view
-  groups, widths = split_qkv.groups_and_widths
+  groups, widths = split_qkv.groups_and_widths_for(view.fan_out)
   if view.fan_out != groups * sum(widths):
+    name = ("split_qkv" if isinstance(split_qkv, SplitQKV) else
+            "split_gate_up")
     raise ValueError(
-        f"split_qkv={split_qkv} expects a fused QKV fan-out of "
+        f"{name}={split_qkv} expects a fused fan-out of "
         f"{groups * sum(widths)} (= {groups} × {sum(widths)}), but {where} "
         f"of shape {shape} has fan-out {view.fan_out}")
   return dataclasses.replace(view, groups=groups, widths=widths)
@@ -217,7 +252,7 @@ def unviewed_message(leaves) -> str:
       f"dimension_numbers={LEADING!r}, or route them to AdamW with labels=")
 
 
-def view_resolver(dimension_numbers=None, split_qkv=None):
+def view_resolver(dimension_numbers=None, split_qkv=None, split_gate_up=None):
   """A function ``tree -> [(path, leaf, MatrixView)]`` for the given settings.
 
   Args:
@@ -227,6 +262,7 @@ def view_resolver(dimension_numbers=None, split_qkv=None):
       params returning such a tree.
     split_qkv: ``None``, one ``SplitQKV`` (applied to leaves whose path matches
       its ``pattern``), a tree of ``SplitQKV``, or a function.
+    split_gate_up: the same with ``SplitGateUp``; a leaf may not have both.
 
   Returns:
     The resolver; it raises ``ValueError`` for leaves that cannot be viewed
@@ -240,12 +276,16 @@ def view_resolver(dimension_numbers=None, split_qkv=None):
   dims_lookup = _paths.PathLookup(
       "dimension_numbers", dimension_numbers, (MuonDimensionNumbers, str),
       type_name=f"an optax.contrib.MuonDimensionNumbers (or {LEADING!r})")
-  split_lookup = _paths.PathLookup("split_qkv", split_qkv, SplitQKV)
-  split_is_pattern = isinstance(split_qkv, SplitQKV)
+  splits = [(_paths.PathLookup(name, spec, kind), isinstance(spec, kind))
+            for name, spec, kind in (("split_qkv", split_qkv, SplitQKV),
+                                     ("split_gate_up", split_gate_up,
+                                      SplitGateUp))]
 
   def resolve(tree):
     leaves, _ = _paths.leaves_with_paths(tree)
-    dims_of, split_of = dims_lookup.resolve(tree), split_lookup.resolve(tree)
+    dims_of = dims_lookup.resolve(tree)
+    split_ofs = [(lookup.resolve(tree), is_pattern)
+                 for lookup, is_pattern in splits]
     where = lambda path: f"leaf {_paths.path_string(path) or '<root>'}"
     unviewed = [(where(path), tuple(jnp.shape(leaf))) for path, leaf in leaves
                 if jnp.ndim(leaf) > 2 and dims_of(path) is None]
@@ -253,9 +293,13 @@ def view_resolver(dimension_numbers=None, split_qkv=None):
       raise ValueError(unviewed_message(unviewed))
     views = []
     for path, leaf in leaves:
-      split = split_of(path)
-      if split_is_pattern and not _paths.matches([split.pattern], path):
-        split = None
+      found = [split for split_of, is_pattern in split_ofs
+               if (split := split_of(path)) is not None and not (
+                   is_pattern and not _paths.matches([split.pattern], path))]
+      if len(found) > 1:
+        raise ValueError(f"{where(path)} gets both split_qkv and "
+                         "split_gate_up; a fused kernel is one or the other")
+      split = found[0] if found else None
       views.append((path, leaf, matrix_view(jnp.shape(leaf), dims_of(path),
                                             split, where(path))))
     return views

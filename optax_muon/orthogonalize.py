@@ -118,7 +118,8 @@ def _distributed_newton_schulz(matrices, axis_name, table, mode, steps,
 
 def orthogonalize(*, coefficients="quintic", steps=5,
                   precision: str = "highest", method: str = "standard",
-                  dimension_numbers=None, split_qkv=None, sharding=None,
+                  dimension_numbers=None, split_qkv=None, split_gate_up=None,
+                  sharding=None,
                   eps=1e-30, preconditioning: str = "frobenius",
                   add_eps: bool = False) -> optax.GradientTransformation:
   r"""Replaces each matrix of the updates by its Newton–Schulz polar factor.
@@ -140,6 +141,7 @@ def orthogonalize(*, coefficients="quintic", steps=5,
     dimension_numbers: ``None``, an ``optax.contrib.MuonDimensionNumbers``
       for every leaf, a tree of them, or a callable of the params.
     split_qkv: ``None``, a ``SplitQKV``, a tree of them or a callable.
+    split_gate_up: ``None``, a ``SplitGateUp``, a tree of them or a callable.
     sharding: ``None``, or a ``TensorParallel`` to run over a mesh.
     eps: floor of the norm used to normalize.
     preconditioning: how each matrix is scaled before the iteration:
@@ -172,7 +174,8 @@ def orthogonalize(*, coefficients="quintic", steps=5,
         "sharding.mode='distributed' keeps matrices split; accepted: "
         "preconditioning in ['frobenius', 'aol', 'schatten'] with that mode, "
         "or sharding.mode in ['blockwise', 'duplicated', 'allgather']")
-  resolve_views = layout.view_resolver(dimension_numbers, split_qkv)
+  resolve_views = layout.view_resolver(dimension_numbers, split_qkv,
+                                       split_gate_up)
   settings = dict(table=table, mode=mode, steps=steps, precision=precision,
                   eps=eps, preconditioning=preconditioning, add_eps=add_eps)
   grouped = dict(settings, method=method)

@@ -64,7 +64,8 @@ def adamw_rms_match_factor(beta1):
 
 
 def scale_by_shape(mode: str = "spectral", *, dimension_numbers=None,
-                   split_qkv=None, sharding=None) -> optax.GradientTransformation:
+                   split_qkv=None, sharding=None, split_gate_up=None
+                   ) -> optax.GradientTransformation:
   r"""Scales each matrix of the updates by ``scale_factor`` of its shape.
 
   Stacked leaves are scaled per matrix and split QKV pieces each by their own
@@ -73,7 +74,7 @@ def scale_by_shape(mode: str = "spectral", *, dimension_numbers=None,
   Args:
     mode: ``"spectral"``, ``"shape_scaling"`` or ``"unit_rms_norm"``.
     dimension_numbers: as in ``orthogonalize``.
-    split_qkv: as in ``orthogonalize``.
+    split_qkv, split_gate_up: as in ``orthogonalize``.
     sharding: ``None`` or a ``TensorParallel``; its ``blockwise`` mode
       scales by each shard's shape, the other modes by the global shape.
 
@@ -82,7 +83,8 @@ def scale_by_shape(mode: str = "spectral", *, dimension_numbers=None,
   """
   _checks.check_choice("mode", mode, SCALE_MODES)
   sharding_lib.check_sharding(sharding)
-  resolve_views = layout.view_resolver(dimension_numbers, split_qkv)
+  resolve_views = layout.view_resolver(dimension_numbers, split_qkv,
+                                       split_gate_up)
 
   def init_fn(params):
     resolve_views(params)

@@ -143,9 +143,10 @@ def local_view(view: layout.MatrixView, shape) -> layout.MatrixView:
   groups = view.groups * ratio
   if groups != int(groups) or groups < 1:
     raise ValueError(
-        f"split_qkv cannot split an output-sharded fused QKV shard of shape "
-        f"{tuple(shape)} into whole Q, K and V pieces ({view.groups} groups); "
-        "use layout='grouped' with num_kv_heads divisible by the shards, or "
+        f"split_qkv / split_gate_up cannot split an output-sharded fused "
+        f"shard of shape {tuple(shape)} into whole pieces ({view.groups} "
+        "groups); use SplitQKV(layout='grouped') with num_kv_heads divisible "
+        "by the shards, SplitGateUp(groups=<the shards>), or "
         "mode='duplicated'")
   return dataclasses.replace(local, groups=int(groups))
 
