@@ -143,11 +143,11 @@ def local_view(view: layout.MatrixView, shape) -> layout.MatrixView:
   groups = view.groups * ratio
   if groups != int(groups) or groups < 1:
     raise ValueError(
-        f"split_qkv / split_gate_up cannot split an output-sharded fused "
-        f"shard of shape {tuple(shape)} into whole pieces ({view.groups} "
-        "groups); use SplitQKV(layout='grouped') with num_kv_heads divisible "
-        "by the shards, SplitGateUp(groups=<the shards>), or "
-        "mode='duplicated'")
+        f"{'split_qkv' if len(view.widths) == 3 else 'split_gate_up'} cannot "
+        f"split an output-sharded fused shard of shape {tuple(shape)} into "
+        f"whole pieces ({view.groups} groups); use SplitQKV(layout='grouped') "
+        "with num_kv_heads divisible by the shards, SplitGateUp(groups=<the "
+        "shards>), or mode='duplicated'")
   return dataclasses.replace(local, groups=int(groups))
 
 

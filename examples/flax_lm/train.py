@@ -132,13 +132,18 @@ def optax_contrib_muon(cfg: config_lib.RunConfig, params):
   return tx, labels
 
 
+def layout_of(cfg: config_lib.RunConfig, model: GPT) -> om.Layout:
+  """Which leaves are matrices, and how, read from the model's own forward
+  pass on a batch of the run's shape (traced, nothing computed)."""
+  return om.infer_layout(
+      model, jax.ShapeDtypeStruct((1, cfg.model.block_size), jnp.int32))
+
+
 def build(cfg: config_lib.RunConfig, mesh=None):
   """Model graph, params, optimizer, its state, and the jitted step/eval."""
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     model = GPT(cfg.model, nnx.Rngs(cfg.train.seed))
-  # which leaves are matrices, and how, read from the model's own forward
-  layout = om.infer_layout(
-      model, jax.ShapeDtypeStruct((1, cfg.model.block_size), jnp.int32))
+  layout = layout_of(cfg, model)
   graphdef, params = nnx.split(model)
   specs = nnx.get_partition_spec(params) if mesh is not None else None
   if cfg.train.muon_impl == "optax.contrib":

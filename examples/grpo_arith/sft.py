@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 import optax_muon as om
 from examples.flax_lm import checkpoint as checkpoint_lib
+from examples.flax_lm import train as lm_train
 from examples.grpo_arith import config as config_lib
 from examples.grpo_arith import policy
 from examples.grpo_arith import task
@@ -59,7 +60,7 @@ def batch(problems, step: int, cfg: config_lib.RunConfig):
                                     cfg.train.completion_len))
 
 
-def optimizer(cfg: config_lib.RunConfig, params, split_qkv):
+def optimizer(cfg: config_lib.RunConfig, params, split_qkv, layout):
   fields = dict(optimizer=cfg.sft.optimizer, lr=cfg.sft.lr, weight_decay=0.0,
                 clip_grad=1.0)
   if cfg.sft.optimizer == "muon":
@@ -69,12 +70,13 @@ def optimizer(cfg: config_lib.RunConfig, params, split_qkv):
                                                  cfg.sft.warmup_steps + 1),
       end_value=0.1 * cfg.sft.lr)
   return om.MuonConfig(**fields).build(schedule, params=params,
-                                         split_qkv=split_qkv)
+                                         split_qkv=split_qkv, layout=layout)
 
 
 def train(cfg: config_lib.RunConfig, graphdef, params, split_qkv):
   """``cfg.sft.steps`` steps of completion-only cross-entropy; the params."""
-  tx = optimizer(cfg, params, split_qkv)
+  layout = lm_train.layout_of(cfg, nnx.merge(graphdef, params))
+  tx = optimizer(cfg, params, split_qkv, layout)
   opt_state = tx.init(params)
 
   def loss_fn(params, prompts, completions):

@@ -48,14 +48,14 @@ from examples.grpo_arith import task
 _logger = logging.getLogger("grpo_arith")
 
 
-def optimizer(cfg: config_lib.RunConfig, params):
+def optimizer(cfg: config_lib.RunConfig, params, layout):
   """``cfg.optim`` under the warm-up/decay schedule, its peak lr an
   ``inject_hyperparams`` hyperparameter (``learning_rate``) that a rollback
-  halves."""
+  halves; ``layout`` from ``lm_train.layout_of``."""
   def make(learning_rate):
     schedule = grpo.warmup_decay(learning_rate, cfg.train.warmup_steps,
                                  cfg.train.lr_decay)
-    return cfg.optim.build(schedule, params=params,
+    return cfg.optim.build(schedule, params=params, layout=layout,
                            split_qkv=lm_train.split_qkv_of(cfg),
                            attention=lm_train.attention_of(cfg))
   return optax.inject_hyperparams(make)(learning_rate=cfg.optim.lr)
@@ -71,9 +71,10 @@ class Policy:
 
   def __init__(self, cfg: config_lib.RunConfig):
     self.cfg = cfg
-    self.graphdef, self.initial_params = nnx.split(
-        GPT(cfg.model, nnx.Rngs(cfg.train.seed)))
-    self.tx = optimizer(cfg, self.initial_params)
+    model = GPT(cfg.model, nnx.Rngs(cfg.train.seed))
+    self.layout = lm_train.layout_of(cfg, model)
+    self.graphdef, self.initial_params = nnx.split(model)
+    self.tx = optimizer(cfg, self.initial_params, self.layout)
     graphdef, tx, run = self.graphdef, self.tx, cfg.train
     matrices = {key: parameter_group(path) for key, (path, leaf)
                 in lm_train.named_leaves(self.initial_params).items()
