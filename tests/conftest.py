@@ -41,6 +41,14 @@ def det(m, n, a, b, c):
   return np.sin(a * i + b * j + c * i * j).astype(np.float32)
 
 
+def close_to_max(got, want, rtol=1e-5):
+  """``got`` equals ``want`` to ``rtol`` of ``want``'s largest magnitude
+  (how the EO-family parity tests compare; ``got`` reshaped to ``want``)."""
+  want = np.asarray(want, np.float32)
+  np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want,
+                             atol=rtol * np.abs(want).max(), rtol=0)
+
+
 @pytest.fixture(scope="session")
 def golden():
   return json.loads((DATA / "eo_golden.json").read_text())

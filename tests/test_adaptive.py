@@ -12,6 +12,7 @@ import pytest
 
 import optax_muon as om
 from conftest import DATA, gaussian
+from conftest import close_to_max as _close
 
 REFERENCE = json.loads((DATA / "eo_adaptive_muon.json").read_text())
 ARRAYS = np.load(DATA / "eo_adaptive_muon.npz")
@@ -31,12 +32,6 @@ def _optimizer(case, orientation):
       extra_scale_factor=kw["extra_scale_factor"],
       weight_decay=kw["weight_decay"], labels={"w": "muon"},
       dimension_numbers={"w": dims})
-
-
-def _close(got, want, rtol):
-  want = np.asarray(want, np.float32)
-  np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want,
-                             atol=rtol * np.abs(want).max(), rtol=0)
 
 
 @pytest.mark.parametrize("orientation", ["torch", "flax"])

@@ -11,18 +11,13 @@ import pytest
 
 import optax_muon as om
 from conftest import DATA, gaussian
+from conftest import close_to_max as _close
 
 REFERENCE = json.loads((DATA / "eo_muon_hyperball.json").read_text())
 ARRAYS = np.load(DATA / "eo_muon_hyperball.npz")
 INPUTS = np.load(DATA / "eo_adaptive_muon.npz")
 CASES = {case["id"]: case for case in REFERENCE["cases"]}
 MDN = om.MuonDimensionNumbers
-
-
-def _close(got, want, rtol=1e-5):
-  want = np.asarray(want, np.float32)
-  np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want,
-                             atol=rtol * np.abs(want).max(), rtol=0)
 
 
 @pytest.mark.parametrize("orientation", ["torch", "flax"])
