@@ -152,7 +152,7 @@ def from_layout(layout, labels, dimension_numbers):
           _paths.FromLayout(layout.dimension_numbers))
 
 
-def _matrices_only(params):
+def matrices_only(params):
   """The default weight-decay mask of the AdamW group: leaves of 2+ axes
   (embeddings, heads) decay; norm scales, biases and other vectors do not."""
   return jax.tree.map(lambda x: jax.numpy.ndim(x) >= 2, params)
@@ -292,7 +292,7 @@ def route(direction: optax.GradientTransformation, learning_rate, *,
               "weight_decay_mask", weight_decay_mask)),
           optax.scale_by_learning_rate(learning_rate)))
   scalar_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
-  scalar_mask = (_matrices_only if adam_weight_decay_mask is None else
+  scalar_mask = (matrices_only if adam_weight_decay_mask is None else
                  _mask_by_path("adam_weight_decay_mask",
                                adam_weight_decay_mask))
   if scalar_optimizer == "adam":

@@ -230,7 +230,7 @@ class MuonConfig:
     """
     lr = self.lr if learning_rate is None else learning_rate
     b1, b2 = self.betas
-    decay_mask = lambda p: jax.tree.map(lambda x: jax.numpy.ndim(x) >= 2, p)
+    decay_mask = alias.matrices_only
     clip = ([optax.clip_by_global_norm(self.clip_grad)] if self.clip_grad > 0
             else [])
     if self.qk_clip and attention is None:
