@@ -27,6 +27,7 @@ from optax_muon.newton_schulz import newton_schulz
 from optax_muon.orthogonalize import orthogonalize
 from optax_muon.polargrad import polargrad
 from optax_muon.polargrad import scale_by_polargrad
+from optax_muon.qk_clip import clip_mla_qk
 from optax_muon.qk_clip import clip_qk
 from optax_muon.qk_clip import qk_clip
 from optax_muon.scaling import adamw_rms_match_factor
@@ -52,6 +53,7 @@ __all__ = (
     "adamw_rms_match_factor",
     "add_spectral_clipped_weight_decay",
     "adaptive_muon",
+    "clip_mla_qk",
     "clip_qk",
     "compat",
     "coefficient_schedule",

@@ -11,6 +11,16 @@ above the threshold ``τ``, with ``η = τ / S_g``::
 ``q·k`` is bilinear (RoPE is a rotation), so the group's logits on the same
 inputs scale by exactly ``η``: their maximum becomes ``τ``.
 
+Multi-head latent attention (MLA, DeepSeek-V2/V3, Kimi K2) has one query
+group per head, and its logit is ``q_nope·k_nope + q_rope·k_rope`` where
+``k_rope`` (from ``wkv_a``) is shared by every head, so it cannot carry a
+head's share. Per clipped head ``h``::
+
+    q_nope ← q_nope · η^α;   k_nope ← k_nope · η^(1−α);   q_rope ← q_rope · η
+
+(``wq_b``'s and ``wkv_b``'s columns of head ``h``; ``α = ½`` is Kimi K2's
+``√η``) and ``k_rope`` and ``V`` are left alone.
+
 Kernels are in Flax's layout, ``(..., in, heads·head_dim)`` or
 ``(..., in, heads, head_dim)``; leading axes (stacked layers) match the
 leading axes of ``max_logits`` (``(..., num_heads)``).
@@ -48,9 +58,9 @@ def group_scales(max_logits, threshold, alpha, num_heads: int,
   """Per query head and per key head factors, and which groups are clipped.
 
   Returns:
-    ``(q_scale, k_scale, clipped)`` of shapes ``(..., num_heads)``,
-    ``(..., num_kv_heads)``, ``(..., num_kv_heads)``; factors are 1 where a
-    group is not clipped.
+    ``(q_scale, k_scale, clipped, eta)`` of shapes ``(..., num_heads)``,
+    ``(..., num_kv_heads)``, ``(..., num_kv_heads)``, ``(..., num_kv_heads)``;
+    factors (and ``η``) are 1 where a group is not clipped.
   """
   max_logits = jnp.asarray(max_logits, jnp.float32)
   if max_logits.shape[-1:] != (num_heads,):
@@ -64,10 +74,12 @@ def group_scales(max_logits, threshold, alpha, num_heads: int,
   k_scale = jnp.where(clipped, eta ** (1.0 - alpha), 1.0)
   q_scale = jnp.repeat(jnp.where(clipped, eta ** alpha, 1.0), per_group,
                        axis=-1)
-  return q_scale, k_scale, clipped
+  return q_scale, k_scale, clipped, eta
 
 
-Q, K, V = 0, 1, 2
+# Column kinds: a query, key or value column, and an MLA rope-query column,
+# whose key (k_rope) is shared by all heads, so it takes the whole η.
+Q, K, V, Q_ROPE = 0, 1, 2, 3
 
 
 def column_map(num_heads: int, num_kv_heads: int, head_dim: int,
@@ -100,15 +112,32 @@ def column_map(num_heads: int, num_kv_heads: int, head_dim: int,
                         axis=1)
 
 
+def mla_column_map(num_heads: int, qk_nope_head_dim: int,
+                   qk_rope_head_dim: int, v_head_dim: int,
+                   part: str) -> np.ndarray:
+  """``column_map`` of an MLA kernel: ``part="q"`` is ``wq_b`` (or
+  ``query``), per head ``[q_nope | q_rope]``; ``part="kv"`` is ``wkv_b``,
+  per head ``[k_nope | v]`` (MaxText's and DeepSeek's order)."""
+  if part == "q":
+    per_head = [(Q, qk_nope_head_dim), (Q_ROPE, qk_rope_head_dim)]
+  else:
+    per_head = [(K, qk_nope_head_dim), (V, v_head_dim)]
+  kinds = np.concatenate([np.full(width, kind) for kind, width in per_head])
+  heads = np.repeat(np.arange(num_heads), len(kinds))
+  return np.stack([np.tile(kinds, num_heads), heads, heads])
+
+
 def column_factors(max_logits, columns: np.ndarray, threshold, alpha,
                    num_heads: int, num_kv_heads: int):
   """Each column's factor and whether its group is clipped, ``(..., width)``
   each, for the ``column_map`` ``columns``."""
-  q_scale, k_scale, clipped = group_scales(max_logits, threshold, alpha,
-                                           num_heads, num_kv_heads)
+  q_scale, k_scale, clipped, eta = group_scales(max_logits, threshold, alpha,
+                                                num_heads, num_kv_heads)
   kind, head, group = columns
-  factor = jnp.where(kind == Q, q_scale[..., np.where(kind == Q, head, 0)],
-                     jnp.where(kind == K, k_scale[..., group], 1.0))
+  query_head = np.where((kind == Q) | (kind == Q_ROPE), head, 0)
+  factor = jnp.where(kind == Q, q_scale[..., query_head],
+                     jnp.where(kind == K, k_scale[..., group],
+                               jnp.where(kind == Q_ROPE, eta[..., group], 1.0)))
   return factor, (kind != V) & clipped[..., group]
 
 
@@ -155,62 +184,137 @@ def clip_qk(q_kernel, k_kernel, max_logits, *, threshold=100.0, alpha=0.5,
   """
   _check_heads(num_heads, num_kv_heads, head_dim)
   _check_clip(threshold, alpha)
-  out = []
-  for kernel, part in ((q_kernel, "q"), (k_kernel, "k")):
-    factor, _ = column_factors(
-        max_logits, column_map(num_heads, num_kv_heads, head_dim, part),
-        threshold, alpha, num_heads, num_kv_heads)
-    out.append((kernel * _by_column(factor, kernel).astype(kernel.dtype))
-               .astype(kernel.dtype))
-  return tuple(out)
+  return tuple(
+      _rescale(kernel, max_logits,
+               column_map(num_heads, num_kv_heads, head_dim, part),
+               threshold, alpha, num_heads, num_kv_heads)
+      for kernel, part in ((q_kernel, "q"), (k_kernel, "k")))
+
+
+def _rescale(kernel, max_logits, columns, threshold, alpha, num_heads,
+             num_kv_heads):
+  factor, _ = column_factors(max_logits, columns, threshold, alpha, num_heads,
+                             num_kv_heads)
+  return (kernel * _by_column(factor, kernel).astype(kernel.dtype)).astype(
+      kernel.dtype)
+
+
+def _check_mla(num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
+  for name, value in (("num_heads", num_heads),
+                      ("qk_nope_head_dim", qk_nope_head_dim),
+                      ("v_head_dim", v_head_dim)):
+    _checks.check_int(name, value, minimum=1)
+  _checks.check_int("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
+
+
+def clip_mla_qk(q_kernel, kv_kernel, max_logits, *, threshold=100.0,
+                alpha=0.5, num_heads: int, qk_nope_head_dim: int,
+                qk_rope_head_dim: int, v_head_dim: int):
+  r"""QK-clip of one multi-head latent attention (MLA) layer.
+
+  For each head ``h`` with ``S_h = max_logits[h] > τ`` and ``η = τ / S_h``:
+  its ``q_nope`` columns ``← · η^α``, its ``q_rope`` columns ``← · η``, its
+  ``k_nope`` columns ``← · η^(1−α)``; its ``v`` columns, the shared rope key
+  (``wkv_a``, not passed) and heads under τ are returned bit for bit. With
+  ``α = ½`` this is Kimi K2's MuonClip for MLA and MaxText's
+  ``qk_clip_utils`` (``√η`` on ``q_nope`` and ``k_nope``, ``η`` on ``q_rope``).
+
+  Args:
+    q_kernel: ``wq_b`` (or ``query`` without a query LoRA), ``(..., in,
+      num_heads·(qk_nope_head_dim + qk_rope_head_dim))`` or ``(..., in,
+      num_heads, qk_nope_head_dim + qk_rope_head_dim)``, each head
+      ``[q_nope | q_rope]``; leading axes are stacked layers.
+    kv_kernel: ``wkv_b``, the same with per head ``[k_nope | v]``
+      (``qk_nope_head_dim + v_head_dim``).
+    max_logits: ``(..., num_heads)``, the step's largest pre-softmax logit of
+      each head (leading axes as the kernels').
+    threshold: ``τ > 0``.
+    alpha: the share of the nope rescale given to the queries, in ``[0, 1]``.
+    num_heads: attention heads.
+    qk_nope_head_dim: per-head width of the non-rotary query and key.
+    qk_rope_head_dim: per-head width of the rotary query (and of the shared
+      rotary key).
+    v_head_dim: per-head width of the values.
+
+  Returns:
+    ``(q_kernel, kv_kernel)`` rescaled.
+
+  References:
+    Kimi Team, `Kimi K2: Open Agentic Intelligence
+    <https://arxiv.org/abs/2507.20534>`_, 2025;
+    DeepSeek-AI, `DeepSeek-V2 <https://arxiv.org/abs/2405.04434>`_, 2024
+  """
+  _check_mla(num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+  _check_clip(threshold, alpha)
+  dims = (num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+  return tuple(
+      _rescale(kernel, max_logits, mla_column_map(*dims, part), threshold,
+               alpha, num_heads, num_heads)
+      for kernel, part in ((q_kernel, "q"), (kv_kernel, "kv")))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layer:
-  """One attention layer: its kernels, each with its ``column_map`` part
-  (``"q"``, ``"k"`` or a fused layout), and its head counts."""
+  """One attention layer: its kernels, each with its ``column_map``, and its
+  head counts."""
   name: str
-  parts: tuple[tuple[tuple[str, ...], str], ...]
+  parts: tuple[tuple[tuple[str, ...], np.ndarray], ...]
   num_heads: int
   num_kv_heads: int
-  head_dim: int
 
 
 def _as_path(path) -> tuple[str, ...]:
   return tuple(path.split("/")) if isinstance(path, str) else tuple(path)
 
 
+_MHA_KEYS = ("q", "k", "num_heads", "num_kv_heads", "head_dim")
+_MLA_KEYS = ("q", "kv", "num_heads", "qk_nope_head_dim", "qk_rope_head_dim",
+             "v_head_dim")
+_ACCEPTED = (f"{list(_MHA_KEYS)}, ['qkv', 'split_qkv'] or (MLA) "
+             f"{list(_MLA_KEYS)}")
+
+
+def _layer(name: str, spec: Mapping[str, Any]) -> _Layer:
+  where = f"attention[{name!r}]"
+  if "qkv" in spec:
+    split = spec.get("split_qkv")
+    if not isinstance(split, layout.SplitQKV):
+      raise ValueError(f"{where} has 'qkv' and needs 'split_qkv': a "
+                       f"SplitQKV with its head counts, got {split!r}")
+    keys = ("qkv", "split_qkv")
+    layer = _Layer(name, ((_as_path(spec["qkv"]), column_map(
+        split.num_heads, split.num_kv_heads, split.head_dim, split.layout)),),
+                   split.num_heads, split.num_kv_heads)
+  else:
+    keys = _MLA_KEYS if "kv" in spec else _MHA_KEYS
+    missing = [key for key in keys if key not in spec]
+    if missing:
+      raise ValueError(f"{where} lacks {missing}; accepted keys: {_ACCEPTED}")
+    if "kv" in spec:
+      dims = [spec[key] for key in _MLA_KEYS[2:]]
+      _check_mla(*dims)
+      layer = _Layer(name, tuple((_as_path(spec[part]), mla_column_map(
+          *dims, part)) for part in ("q", "kv")), dims[0], dims[0])
+    else:
+      heads = [spec[key] for key in _MHA_KEYS[2:]]
+      _check_heads(*heads)
+      layer = _Layer(name, tuple((_as_path(spec[part]), column_map(
+          *heads, part)) for part in ("q", "k")), heads[0], heads[1])
+  unknown = set(spec) - set(keys)
+  if unknown:
+    raise ValueError(f"{where} has unknown keys {sorted(unknown)}; accepted "
+                     f"keys: {_ACCEPTED}")
+  return layer
+
+
 def _layers(attention: Mapping[str, Mapping[str, Any]]) -> list[_Layer]:
   if not isinstance(attention, Mapping) or not attention:
     raise ValueError("attention must be a non-empty dict from a layer name to "
                      "{'q': path, 'k': path, 'num_heads', 'num_kv_heads', "
-                     "'head_dim'} or {'qkv': path, 'split_qkv': SplitQKV(...)}")
-  layers = []
-  for name, spec in attention.items():
-    where = f"attention[{name!r}]"
-    if "qkv" in spec:
-      split = spec.get("split_qkv")
-      if not isinstance(split, layout.SplitQKV):
-        raise ValueError(f"{where} has 'qkv' and needs 'split_qkv': a "
-                         f"SplitQKV with its head counts, got {split!r}")
-      unknown = set(spec) - {"qkv", "split_qkv"}
-      layers.append(_Layer(name, ((_as_path(spec["qkv"]), split.layout),),
-                           split.num_heads, split.num_kv_heads, split.head_dim))
-    else:
-      needed = {"q", "k", "num_heads", "num_kv_heads", "head_dim"}
-      if needed - set(spec):
-        raise ValueError(f"{where} lacks {sorted(needed - set(spec))}; "
-                         f"accepted keys: {sorted(needed)} or "
-                         "['qkv', 'split_qkv']")
-      unknown = set(spec) - needed
-      _check_heads(spec["num_heads"], spec["num_kv_heads"], spec["head_dim"])
-      layers.append(_Layer(name, ((_as_path(spec["q"]), "q"),
-                                  (_as_path(spec["k"]), "k")),
-                           spec["num_heads"], spec["num_kv_heads"],
-                           spec["head_dim"]))
-    if unknown:
-      raise ValueError(f"{where} has unknown keys {sorted(unknown)}")
-  return layers
+                     "'head_dim'}, {'qkv': path, 'split_qkv': SplitQKV(...)} "
+                     "or, for MLA, {'q': path, 'kv': path, 'num_heads', "
+                     "'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim'}")
+  return [_layer(name, spec) for name, spec in attention.items()]
 
 
 def qk_clip(threshold=100.0, alpha=0.5, *,
@@ -229,8 +333,11 @@ def qk_clip(threshold=100.0, alpha=0.5, *,
     alpha: the share of the rescale given to the queries, in ``[0, 1]``.
     attention: a dict from a layer name to where its kernels are:
       ``{"q": path, "k": path, "num_heads": H, "num_kv_heads": G,
-      "head_dim": d}`` or ``{"qkv": path, "split_qkv": SplitQKV(...)}``; a path
-      is ``"a/b/kernel"`` or a tuple of keys. ``max_logits`` is a dict with
+      "head_dim": d}``, ``{"qkv": path, "split_qkv": SplitQKV(...)}`` or, for
+      multi-head latent attention (see ``clip_mla_qk``), ``{"q": path (wq_b),
+      "kv": path (wkv_b), "num_heads": H, "qk_nope_head_dim": dn,
+      "qk_rope_head_dim": dr, "v_head_dim": dv}``; a path is ``"a/b/kernel"``
+      or a tuple of keys. ``max_logits`` is a dict with
       the same keys, each ``(..., num_heads)`` (leading axes: stacked layers).
 
   Returns:
@@ -264,15 +371,13 @@ def qk_clip(threshold=100.0, alpha=0.5, *,
     param_of = dict(_paths.leaves_with_paths(params)[0])
     new = [leaf for _, leaf in leaves]
     for layer in layers:
-      for path, part in layer.parts:
+      for path, columns in layer.parts:
         if path not in index:
           raise ValueError(f"attention[{layer.name!r}] names "
                            f"{'/'.join(path)!r}, which is not among the updates")
         factor, clipped = column_factors(
-            max_logits[layer.name],
-            column_map(layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                       part),
-            threshold, alpha, layer.num_heads, layer.num_kv_heads)
+            max_logits[layer.name], columns, threshold, alpha,
+            layer.num_heads, layer.num_kv_heads)
         i, p = index[path], param_of[path]
         stepped = p + new[i]
         factor = _by_column(factor, stepped).astype(stepped.dtype)
