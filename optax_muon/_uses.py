@@ -44,15 +44,18 @@ class Product:
   pairs of the params' free (output) axes it carries. What happens to those
   axes later says whether they are matrix axes: indexed apart (Gemma's
   fused K/V) or a batch dim of another param's matmul (a dense MoE's expert
-  axis) makes them batch axes."""
+  axis) makes them batch axes. ``halves``: ``(leaf, leaf axis, 0 or 1)``
+  when the value is one half of such an axis (a fused gate/up's gate or up)."""
   axes: tuple[frozenset[tuple[int, int]], ...]
+  halves: frozenset[tuple[int, int, int]] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
 class Use:
   # "dot", "conv", "depthwise", "gather", "vector", "unknown"; and for an
   # output axis of a matmul's product: "split" (indexed apart), "expert"
-  # (a batch dim of another param's matmul)
+  # (a batch dim of another param's matmul), "gated" (its two halves
+  # multiplied together: a fused gate/up)
   kind: str
   reduction: frozenset[int] = frozenset()
   output: frozenset[int] = frozenset()
@@ -121,6 +124,11 @@ class Analysis:
       for axis, (old, new) in enumerate(zip(shape, sizes)):
         if new == 1 < old:
           self.mark(prods[0].axes[axis], "split", "indexed apart")
+      if name == "slice":
+        return [_halved(prods[0], [
+            (axis, start // new) for axis, (old, new, start) in enumerate(
+                zip(shape, sizes, eqn.params["start_indices"]))
+            if 2 * new == old and start % new == 0])]
       return [prods[0]]
     if name == "gather" and prods[0] is not None and _is_index(eqn):
       collapsed = eqn.params["dimension_numbers"].collapsed_slice_dims
@@ -133,9 +141,11 @@ class Analysis:
       self.mark(prods[0].axes[axis], "split", "indexed apart")
       return [_drop_axis(prods[0], axis)] * len(eqn.outvars)
     if name == "split" and prods[0] is not None:
-      axis = eqn.params["axis"]
-      if all(size == 1 for size in eqn.params["sizes"]):
+      axis, sizes = eqn.params["axis"], eqn.params["sizes"]
+      if all(size == 1 for size in sizes):
         self.mark(prods[0].axes[axis], "split", "indexed apart")
+      if len(sizes) == 2 and sizes[0] == sizes[1]:
+        return [_halved(prods[0], [(axis, half)]) for half in (0, 1)]
       return [prods[0]] * len(eqn.outvars)
     if name == "dot_general":
       (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
@@ -153,8 +163,13 @@ class Analysis:
     if name in _ELEMENTWISE and len(eqn.outvars) == 1:
       carried = [p for p in prods if p is not None and len(p.axes) == rank]
       if carried and rank == len(eqn.invars[0].aval.shape):
+        halves = union(*[p.halves for p in carried])
+        if name == "mul":
+          for leaf, axis, half in halves:
+            if half == 0 and (leaf, axis, 1) in halves:
+              self.mark({(leaf, axis)}, "gated", "halves multiplied together")
         return [Product(tuple(union(*axes) for axes in zip(
-            *[p.axes for p in carried])))]
+            *[p.axes for p in carried])), halves)]
     return None
 
   def equation(self, eqn, views, tags):
@@ -282,6 +297,14 @@ class Analysis:
                               "operands the analysis cannot map"))
       return [None] * len(eqn.outvars), [union(*in_tags)] * len(eqn.outvars)
     return self.run(inner, _bind(inner, ins), _bind(inner, in_tags))
+
+
+def _halved(product: Product, halves) -> Product:
+  """``product`` cut to half ``half`` of each ``(axis, half)``: records which
+  leaf output axes it is half of."""
+  return dataclasses.replace(product, halves=product.halves | {
+      (leaf, leaf_axis, half) for axis, half in halves
+      for leaf, leaf_axis in product.axes[axis]})
 
 
 def scan_operand_counts(params) -> tuple[int, int]:

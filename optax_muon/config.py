@@ -58,6 +58,10 @@ class MuonConfig:
     muon_momentum: Muon's β.
     muon_nesterov: Nesterov momentum.
     muon_split_qkv: orthogonalize fused Q, K and V separately.
+    muon_split_gate_up: orthogonalize the gate and up halves of fused
+      gated-MLP kernels separately (Megatron-Core does for a gated
+      ``linear_fc1``): ``build``'s ``split_gate_up``, or when it is not
+      given ``SplitGateUp()`` (leaves whose path has ``gate_up``).
     muon_scale_mode: ``"spectral"``, ``"shape_scaling"`` or ``"unit_rms_norm"``.
     muon_coefficient_type: a Newton–Schulz schedule name.
     muon_num_ns_steps: Newton–Schulz steps.
@@ -90,6 +94,7 @@ class MuonConfig:
   muon_momentum: float = 0.95
   muon_nesterov: bool = False
   muon_split_qkv: bool = True
+  muon_split_gate_up: bool = True
   muon_scale_mode: str = "spectral"
   muon_coefficient_type: str = "quintic"
   muon_num_ns_steps: int = 5
@@ -223,7 +228,8 @@ class MuonConfig:
       tp_axis: the mesh axis that ``muon_tp_mode`` runs over (any name:
         ``"model"``, Tunix's ``"tp"``, ...).
       split_gate_up: ``om.SplitGateUp`` for fused gated-MLP kernels
-        (Megatron's ``is_gated_fc1`` split), as in ``muon``.
+        (Megatron's ``is_gated_fc1`` split), as in ``muon``; ``None`` uses
+        ``SplitGateUp()`` when ``muon_split_gate_up``.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -290,7 +296,8 @@ class MuonConfig:
         extra_scale_factor=self.muon_extra_scale_factor,
         match_adamw_update_rms=self.muon_match_adamw_update_rms,
         split_qkv=split, sharding=sharding, weight_decay=self.weight_decay,
-        split_gate_up=split_gate_up,
+        split_gate_up=((split_gate_up or layout_lib.SplitGateUp())
+                       if self.muon_split_gate_up else None),
         weight_decay_mask=decay_mask, labels=labels, layout=layout,
         dimension_numbers=dimension_numbers,
         scalar_optimizer=self.muon_scalar_optimizer,

@@ -150,6 +150,11 @@ def _decide(path, leaf, uses: set, heads: set, index: int, vocab: set):
   if re.search(layout_lib.SplitQKV.pattern, _paths.path_string(path),
                re.IGNORECASE) and "indexed apart" not in reason:
     reason += "; a fused QKV kernel is one matrix unless split_qkv= is given"
+  gated = _uses.union(*[u.output for u in uses if u.kind == "gated"]) & output
+  if gated:
+    reason += ("; its output's two halves are multiplied together (a fused "
+               "gate/up): split_gate_up=om.SplitGateUp() orthogonalizes "
+               "them apart, as Megatron-Core does for a gated linear_fc1")
   return role, labels_lib.MUON, dims, reason
 
 

@@ -30,6 +30,9 @@ DEFAULTS = {
     "adaptive_muon_moment2_method": "adamuon",
     "adaptive_muon_beta2": 0.95,
     "adaptive_muon_eps": 1e-8,
+    # no config name in Megatron-Core: a gated linear_fc1 is always split
+    # (its is_gated_fc1 attribute); ours follows, and can be turned off
+    "muon_split_gate_up": True,
 }
 
 
@@ -137,6 +140,7 @@ def test_muon_build_needs_head_counts_for_fused_qkv():
 SPLIT = om.SplitQKV(num_heads=2, num_kv_heads=2, head_dim=8)
 FORWARD_PARAMS = {"attn": {"qkv": {"kernel": jnp.ones((16, 48))}},
                   "mlp": {"kernel": jnp.ones((16, 32))},
+                  "ffn": {"gate_up": {"kernel": jnp.ones((16, 64))}},
                   "embed": {"embedding": jnp.ones((20, 16))},
                   "ln": {"scale": jnp.ones((16,))}}
 FORWARD_CASES = {
@@ -144,6 +148,8 @@ FORWARD_CASES = {
     "muon_momentum": ({"muon_momentum": 0.8}, {"beta": 0.8}),
     "muon_nesterov": ({"muon_nesterov": True}, {"nesterov": True}),
     "muon_split_qkv": ({"muon_split_qkv": False}, {"split_qkv": None}),
+    "muon_split_gate_up": ({"muon_split_gate_up": False},
+                           {"split_gate_up": None}),
     "muon_scale_mode": ({"muon_scale_mode": "unit_rms_norm"},
                         {"scale_mode": "unit_rms_norm"}),
     "muon_coefficient_type": ({"muon_coefficient_type": "cubic5"},
@@ -176,7 +182,8 @@ def _hand_written(lr, clip=1.0, **overrides):
   args = dict(beta=0.95, nesterov=False, momentum_style="ema",
               coefficients="quintic", steps=5, precision="medium",
               scale_mode="spectral", extra_scale_factor=None,
-              match_adamw_update_rms=False, split_qkv=SPLIT, weight_decay=0.01,
+              match_adamw_update_rms=False, split_qkv=SPLIT,
+              split_gate_up=om.SplitGateUp(), weight_decay=0.01,
               weight_decay_mask=decay, scalar_optimizer="adam", adam_b1=0.9,
               adam_b2=0.999, adam_eps=1e-8, adam_weight_decay=0.01,
               adam_weight_decay_mask=decay)
@@ -186,9 +193,10 @@ def _hand_written(lr, clip=1.0, **overrides):
 
 def _three_steps(tx, params):
   p, state = params, tx.init(params)
+  update = jax.jit(tx.update)  # one compile: faster than op by op
   for step in range(3):  # gradients large enough for the clip to act
     grads = jax.tree.map(lambda x: 10.0 * jnp.cos(x * (step + 1)), params)
-    updates, state = tx.update(grads, state, p)
+    updates, state = update(grads, state, p)
     p = optax.apply_updates(p, updates)
   return p
 

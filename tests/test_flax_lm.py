@@ -249,10 +249,12 @@ def test_blockwise_split_qkv_needs_whole_heads_per_shard(tmp_path):
     train_lib.train(cfg, mesh=train_lib.parse_mesh("data=2,model=4"))
 
 
-def test_qk_clip_demo_holds_the_logits_at_tau(tmp_path):
+@pytest.mark.parametrize("model", [
+    [], ["model.attention=mla", "model.mlp=swiglu"]], ids=["gqa", "mla"])
+def test_qk_clip_demo_holds_the_logits_at_tau(tmp_path, model):
   tau = 1.0  # below what this small model reaches: the clip must act
-  summary = qk_clip_demo.demo(SMALL + [f"optim.qk_clip_threshold={tau}"],
-                              out=tmp_path)
+  summary = qk_clip_demo.demo(
+      SMALL + model + [f"optim.qk_clip_threshold={tau}"], out=tmp_path)
   for name in ("summary.json", "qk_clip.png", "plain.jsonl", "clip.jsonl"):
     assert (tmp_path / name).stat().st_size > 0, name
   plain, clipped = summary["without QK-clip"], summary["with QK-clip"]
@@ -262,7 +264,9 @@ def test_qk_clip_demo_holds_the_logits_at_tau(tmp_path):
 
 
 @pytest.mark.parametrize("fields", [
-    {}, {"scan_layers": True, "fused_qkv": False, "n_kv_head": 2}])
+    {}, {"scan_layers": True, "fused_qkv": False, "n_kv_head": 2},
+    {"attention": "mla", "mlp": "swiglu"},
+    {"attention": "mla", "scan_layers": True}])
 def test_cached_decoding_equals_the_full_forward(fields):
   # a prefill of 12 tokens, then one token at a time over the cache, gives
   # the logits the causal forward gives at every position

@@ -95,3 +95,65 @@ def test_config_build_passes_the_split(optimizer):
   one = plain.update(params, plain.init(params), params)[0]["mlp"]["fc1"]
   two = split.update(params, split.init(params), params)[0]["mlp"]["fc1"]
   assert float(jnp.abs(one - two).max()) > 1e-2  # the halves went apart
+
+
+def test_config_splits_a_gate_up_leaf_by_default_as_megatron_does():
+  params = {"mlp": {"gate_up": gaussian((16, 64), 6)}}
+  base = dict(optimizer="muon", muon_fp32_matmul_prec="highest",
+              clip_grad=0.0, weight_decay=0.0)
+  update = lambda tx: tx.update(params, tx.init(params), params)[0]
+  by_default = update(om.MuonConfig(**base).build(1.0))
+  explicit = update(om.MuonConfig(**base).build(
+      1.0, split_gate_up=om.SplitGateUp()))
+  off = update(om.MuonConfig(**base, muon_split_gate_up=False).build(1.0))
+  np.testing.assert_array_equal(by_default["mlp"]["gate_up"],
+                                explicit["mlp"]["gate_up"])
+  assert float(jnp.abs(by_default["mlp"]["gate_up"] -
+                       off["mlp"]["gate_up"]).max()) > 1e-2
+
+
+def _swiglu_split(params, x):
+  gate, up = jnp.split(x @ params["gate_up"], 2, axis=-1)
+  return (jax.nn.silu(gate) * up) @ params["down"]
+
+
+def _swiglu_slices(params, x):
+  h = x @ params["gate_up"]
+  return (h[:, 32:] * jax.nn.gelu(h[:, :32])) @ params["down"]
+
+
+def _halves_added(params, x):
+  gate, up = jnp.split(x @ params["gate_up"], 2, axis=-1)
+  return (jax.nn.silu(gate) + up) @ params["down"]
+
+
+def _gelu_mlp(params, x):
+  return jax.nn.gelu(x @ params["gate_up"])[:, :32] @ params["down"]
+
+
+@pytest.mark.parametrize("fn, proposed", [
+    (_swiglu_split, True), (_swiglu_slices, True), (_halves_added, False),
+    (_gelu_mlp, False)])
+def test_infer_layout_proposes_the_split_when_halves_are_multiplied(
+    fn, proposed):
+  params = {"gate_up": gaussian((16, 64), 1), "down": gaussian((32, 16), 2)}
+  layout = om.infer_layout(fn, params, jnp.ones((3, 16)))
+  reason = layout.reasons["gate_up"]
+  assert ("SplitGateUp" in reason) == proposed, reason
+  assert "SplitGateUp" not in layout.reasons["down"]
+  # a proposal, not a decision: the view is the whole kernel either way
+  assert layout.dimension_numbers["gate_up"] == MDN((0,), (1,))
+
+
+def test_the_example_swiglu_mlp_is_proposed_and_split():
+  from flax import nnx
+  from examples.flax_lm.model import GPT, GPTConfig
+  model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=8,
+                        mlp="swiglu"), nnx.Rngs(0))
+  layout = om.infer_layout(model, jax.ShapeDtypeStruct((1, 8), jnp.int32))
+  assert "SplitGateUp" in layout.reasons["blocks"][0]["mlp"]["gate_up"][
+      "kernel"]
+  table = om.describe(nnx.state(model, nnx.Param), layout=layout,
+                      split_gate_up=om.SplitGateUp())
+  row = next(line for line in table.splitlines() if "gate_up" in line)
+  assert "split gate/up" in row and "1 × 32 × 128 + 1 × 32 × 128" in row

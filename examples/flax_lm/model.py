@@ -2,8 +2,10 @@
 
 Token and position embeddings, pre-norm blocks (attention + MLP or a small
 dense mixture of experts), an optional fused QKV projection in Megatron's
-grouped layout, grouped-query attention, an optional scan over stacked layers,
-and an untied lm_head. Attention is computed explicitly (einsum, causal mask,
+grouped layout, grouped-query attention or DeepSeek's multi-head latent
+attention (``attention="mla"``), a GELU MLP or a SwiGLU one with a fused
+gate/up kernel (``mlp="swiglu"``), an optional scan over stacked layers, and an
+untied lm_head. Attention is computed explicitly (einsum, causal mask,
 softmax) so that each layer can report its largest pre-softmax logit per head,
 which QK-clip needs (``GPT.forward``). ``GPT.decode`` runs the same layers over
 a key/value cache, for sampling (``examples/grpo_arith``).
@@ -26,9 +28,17 @@ class GPTConfig:
   n_kv_head: int | None = None  # None: n_head (no grouping)
   n_embd: int = 128
   mlp_ratio: int = 4
-  fused_qkv: bool = True
+  fused_qkv: bool = True  # grouped-query attention only
   scan_layers: bool = False
   n_experts: int = 0  # 0: a plain MLP
+  attention: str = "gqa"  # or "mla": multi-head latent attention
+  mlp: str = "gelu"  # or "swiglu": silu(gate) · up from one fused kernel
+  # multi-head latent attention (DeepSeek-V2's names)
+  q_lora_rank: int = 32
+  kv_lora_rank: int = 32
+  qk_nope_head_dim: int = 16
+  qk_rope_head_dim: int = 8
+  v_head_dim: int = 16
 
   @property
   def head_dim(self) -> int:
@@ -38,7 +48,27 @@ class GPTConfig:
   def kv_heads(self) -> int:
     return self.n_kv_head or self.n_head
 
+  @property
+  def cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``(heads, width)`` of the cached keys and of the cached values."""
+    if self.attention == "mla":
+      return ((self.n_head, self.qk_nope_head_dim + self.qk_rope_head_dim),
+              (self.n_head, self.v_head_dim))
+    return (self.kv_heads, self.head_dim), (self.kv_heads, self.head_dim)
+
   def __post_init__(self):
+    for name, accepted in (("attention", ("gqa", "mla")),
+                           ("mlp", ("gelu", "swiglu"))):
+      if getattr(self, name) not in accepted:
+        raise ValueError(f"model.{name}={getattr(self, name)!r} is not "
+                         f"accepted; accepted values: {list(accepted)}")
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                 "v_head_dim"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
+    if self.qk_rope_head_dim < 0 or self.qk_rope_head_dim % 2:
+      raise ValueError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must "
+                       "be even and >= 0 (rotary pairs)")
     if self.n_embd % self.n_head:
       raise ValueError(f"model.n_embd={self.n_embd} must be a multiple of "
                        f"model.n_head={self.n_head}")
@@ -63,7 +93,43 @@ def _dense(n_in, n_out, rngs, use_bias=True, sharding=None):
                     bias_init=bias_init, rngs=rngs)
 
 
-class Attention(nnx.Module):
+class _CausalAttention(nnx.Module):
+  """Attention over keys and values from ``_project``, reporting each head's
+  largest logit; subclasses say how queries, keys and values are made."""
+
+  def _attend(self, q, k, v, visible):
+    """Attention of queries ``q`` ``(b, t, n_head, d)`` over keys ``k``
+    where ``visible`` ``(t_q, t_k)`` allows; ``(out, max_logits)``."""
+    (b, t, n_head, d) = q.shape
+    # each query head h reads key/value head h // (n_head / kv_heads)
+    k = jnp.repeat(k, n_head // k.shape[2], axis=2)
+    v = jnp.repeat(v, n_head // v.shape[2], axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    scores = jnp.where(visible, scores, -jnp.inf)
+    # the largest logit each head produced, over batch and positions (QK-clip)
+    max_logits = jax.lax.stop_gradient(scores.max(axis=(0, 2, 3)))
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+    return self.proj(out.reshape(b, t, -1)), max_logits
+
+  def __call__(self, x):
+    t = x.shape[1]
+    return self._attend(*self._project(x, jnp.arange(t)),
+                        jnp.tril(jnp.ones((t, t), bool)))
+
+  def decode(self, x, cache, position):
+    """``x`` at positions ``position, position + 1, ...`` attending over the
+    keys and values cached before them; ``(out, max_logits, cache)``."""
+    queries_at = position + jnp.arange(x.shape[1])
+    q, k, v = self._project(x, queries_at)
+    keys, values = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype),
+                                                        position, axis=1)
+                    for c, new in zip(cache, (k, v)))
+    visible = jnp.arange(keys.shape[1])[None, :] <= queries_at[:, None]
+    out, max_logits = self._attend(q, keys, values, visible)
+    return out, max_logits, (keys, values)
+
+
+class Attention(_CausalAttention):
   """Causal self-attention with grouped key/value heads."""
 
   def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
@@ -79,8 +145,10 @@ class Attention(nnx.Module):
       self.value = _dense(d, cfg.kv_heads * hd, rngs, False, COLUMN)
     self.proj = _dense(cfg.n_head * hd, d, rngs, False, ROW)
 
-  def _project(self, x):
-    """Queries ``(b, t, n_head, hd)``, keys and values ``(b, t, kv_heads, hd)``."""
+  def _project(self, x, positions):
+    """Queries ``(b, t, n_head, hd)``, keys and values ``(b, t, kv_heads, hd)``
+    (positions enter through the learned position embedding)."""
+    del positions
     cfg, (b, t, _) = self.cfg, x.shape
     hd, groups = cfg.head_dim, cfg.kv_heads
     if cfg.fused_qkv:
@@ -94,35 +162,55 @@ class Attention(nnx.Module):
             self.key(x).reshape(b, t, groups, hd),
             self.value(x).reshape(b, t, groups, hd))
 
-  def _attend(self, q, k, v, visible):
-    """Attention of queries ``q`` over keys ``k`` where ``visible``
-    ``(t_q, t_k)`` allows; ``(out, max_logits)``."""
-    cfg, (b, t, _, hd) = self.cfg, q.shape
-    # each query head h reads key/value head h // (n_head / kv_heads)
-    k = jnp.repeat(k, cfg.n_head // cfg.kv_heads, axis=2)
-    v = jnp.repeat(v, cfg.n_head // cfg.kv_heads, axis=2)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
-    scores = jnp.where(visible, scores, -jnp.inf)
-    # the largest logit each head produced, over batch and positions (QK-clip)
-    max_logits = jax.lax.stop_gradient(scores.max(axis=(0, 2, 3)))
-    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
-    return self.proj(out.reshape(b, t, cfg.n_head * hd)), max_logits
 
-  def __call__(self, x):
-    t = x.shape[1]
-    return self._attend(*self._project(x), jnp.tril(jnp.ones((t, t), bool)))
+def rotary(x, positions):
+  """Rotary position embedding of ``x`` ``(b, t, ..., d)`` at ``positions``
+  ``(t,)``: the two halves of the last axis rotated as pairs."""
+  half = x.shape[-1] // 2
+  angle = positions[:, None] / 10_000.0 ** (jnp.arange(half) / half)
+  angle = angle.reshape(angle.shape[:1] + (1,) * (x.ndim - 3) + (half,))
+  x1, x2 = x[..., :half], x[..., half:]
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
-  def decode(self, x, cache, position):
-    """``x`` at positions ``position, position + 1, ...`` attending over the
-    keys and values cached before them; ``(out, max_logits, cache)``."""
-    q, k, v = self._project(x)
-    keys, values = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype),
-                                                        position, axis=1)
-                    for c, new in zip(cache, (k, v)))
-    queries_at = position + jnp.arange(x.shape[1])
-    visible = jnp.arange(keys.shape[1])[None, :] <= queries_at[:, None]
-    out, max_logits = self._attend(q, keys, values, visible)
-    return out, max_logits, (keys, values)
+
+class LatentAttention(_CausalAttention):
+  """Multi-head latent attention (DeepSeek-V2), MaxText's kernel names.
+
+  Queries come from a low-rank latent (``wq_a`` then ``wq_b``, each head
+  ``[q_nope | q_rope]``); keys and values from another (``wkv_a`` gives the
+  latent and one rotary key ``k_rope`` shared by all heads, ``wkv_b`` each
+  head's ``[k_nope | v]``). A head's logit is ``q_nope·k_nope + q_rope·k_rope``,
+  which is why QK-clip leaves ``k_rope`` alone (``om.clip_mla_qk``).
+  """
+
+  def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, h = cfg.n_embd, cfg.n_head
+    nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    self.wq_a = _dense(d, cfg.q_lora_rank, rngs, False)
+    self.q_norm = nnx.RMSNorm(cfg.q_lora_rank, rngs=rngs)
+    self.wq_b = _dense(cfg.q_lora_rank, h * (nope + rope), rngs, False, COLUMN)
+    self.wkv_a = _dense(d, cfg.kv_lora_rank + rope, rngs, False)
+    self.kv_norm = nnx.RMSNorm(cfg.kv_lora_rank, rngs=rngs)
+    self.wkv_b = _dense(cfg.kv_lora_rank, h * (nope + cfg.v_head_dim), rngs,
+                        False, COLUMN)
+    self.proj = _dense(h * cfg.v_head_dim, d, rngs, False, ROW)
+
+  def _project(self, x, positions):
+    """Queries and keys ``(b, t, n_head, nope + rope)``, values ``(b, t,
+    n_head, v_head_dim)``."""
+    cfg, (b, t, _) = self.cfg, x.shape
+    h, nope = cfg.n_head, cfg.qk_nope_head_dim
+    q = self.wq_b(self.q_norm(self.wq_a(x))).reshape(b, t, h, -1)
+    q = jnp.concatenate([q[..., :nope], rotary(q[..., nope:], positions)], -1)
+    latent = self.wkv_a(x)
+    k_rope = rotary(latent[..., cfg.kv_lora_rank:], positions)  # (b, t, rope)
+    kv = self.wkv_b(self.kv_norm(latent[..., :cfg.kv_lora_rank]))
+    kv = kv.reshape(b, t, h, -1)
+    k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(
+        k_rope[:, :, None], (b, t, h, cfg.qk_rope_head_dim))], -1)
+    return q, k, kv[..., nope:]
 
 
 class MLP(nnx.Module):
@@ -133,6 +221,20 @@ class MLP(nnx.Module):
 
   def __call__(self, x):
     return self.proj(jax.nn.gelu(self.fc(x)))
+
+
+class GatedMLP(nnx.Module):
+  """SwiGLU with Megatron's fused ``linear_fc1``: one kernel ``(d, 2·ffn)``
+  whose halves are the gate and the up projection (``om.SplitGateUp``)."""
+
+  def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    hidden = cfg.mlp_ratio * cfg.n_embd
+    self.gate_up = _dense(cfg.n_embd, 2 * hidden, rngs, False, COLUMN)
+    self.proj = _dense(hidden, cfg.n_embd, rngs, False, ROW)
+
+  def __call__(self, x):
+    gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
+    return self.proj(jax.nn.silu(gate) * up)
 
 
 class Experts(nnx.Module):
@@ -158,14 +260,15 @@ class Block(nnx.Module):
   def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.ln1 = nnx.LayerNorm(cfg.n_embd, rngs=rngs)
-    self.attn = Attention(cfg, rngs)
+    self.attn = (LatentAttention if cfg.attention == "mla" else Attention)(
+        cfg, rngs)
     self.ln2 = nnx.LayerNorm(cfg.n_embd, rngs=rngs)
     # "experts" names the MoE so that layout inference reads its free expert
     # axis (btd,edh->bteh) as a batch axis (optax_muon.infer_layout)
     if cfg.n_experts:
       self.experts = Experts(cfg, rngs)
     else:
-      self.mlp = MLP(cfg, rngs)
+      self.mlp = (GatedMLP if cfg.mlp == "swiglu" else MLP)(cfg, rngs)
 
   def __call__(self, x):
     """``(x, max_logits)``: the block's output and its attention's largest
@@ -231,14 +334,14 @@ class GPT(nnx.Module):
 
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):
     """An empty key/value cache for ``decode``: per layer ``(keys, values)``,
-    each ``(batch, length, kv_heads, head_dim)`` (stacked over layers when
-    they are scanned)."""
+    each ``(batch, length, heads, width)`` (``GPTConfig.cache_dims``; stacked
+    over layers when they are scanned)."""
     cfg = self.cfg
-    shape = (batch, length, cfg.kv_heads, cfg.head_dim)
+    shapes = [(batch, length) + dims for dims in cfg.cache_dims]
     if cfg.scan_layers:
-      shape = (cfg.n_layer,) + shape
-      return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+      return tuple(jnp.zeros((cfg.n_layer,) + shape, dtype)
+                   for shape in shapes)
+    return [tuple(jnp.zeros(shape, dtype) for shape in shapes)
             for _ in range(cfg.n_layer)]
 
   def decode(self, tokens, cache, position):

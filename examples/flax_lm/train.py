@@ -42,7 +42,7 @@ def learning_rate_schedule(cfg: config_lib.RunConfig):
 
 def split_qkv_of(cfg: config_lib.RunConfig):
   model = cfg.model
-  if not model.fused_qkv:
+  if not model.fused_qkv or model.attention == "mla":
     return None
   return om.SplitQKV(model.n_head, model.kv_heads, model.head_dim)
 
@@ -105,6 +105,13 @@ def attention_of(cfg: config_lib.RunConfig) -> dict:
   model = cfg.model
   layers = ({"blocks": "blocks/attn"} if model.scan_layers else
             {f"layer{i}": f"blocks/{i}/attn" for i in range(model.n_layer)})
+  if model.attention == "mla":
+    return {name: {"q": f"{where}/wq_b/kernel", "kv": f"{where}/wkv_b/kernel",
+                   "num_heads": model.n_head,
+                   "qk_nope_head_dim": model.qk_nope_head_dim,
+                   "qk_rope_head_dim": model.qk_rope_head_dim,
+                   "v_head_dim": model.v_head_dim}
+            for name, where in layers.items()}
   if model.fused_qkv:
     return {name: {"qkv": f"{where}/qkv/kernel", "split_qkv": split_qkv_of(cfg)}
             for name, where in layers.items()}
@@ -202,12 +209,16 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False,
   out = pathlib.Path(cfg.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   corpus = ByteCorpus(cfg.train.data, max_bytes=cfg.train.max_bytes)
-  _, params, _, opt_state, train_step, eval_loss, labels = build(cfg, mesh)
+  graphdef, params, _, opt_state, train_step, eval_loss, labels = build(cfg,
+                                                                       mesh)
   if (cfg.optim.optimizer == "muon" and cfg.train.muon_impl == "optax_muon"
       and jax.process_index() == 0):
     split = split_qkv_of(cfg) if cfg.optim.muon_split_qkv else None
+    gate_up = om.SplitGateUp() if cfg.optim.muon_split_gate_up else None
     logging.getLogger("flax_lm").info(
-        "which matrices Muon sees:\n%s", om.describe(params, split_qkv=split))
+        "which matrices Muon sees:\n%s", om.describe(
+            params, split_qkv=split, split_gate_up=gate_up,
+            layout=layout_of(cfg, nnx.merge(graphdef, params))))
   if mesh is not None:  # batches split over the data axis
     data_sharding = jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(
