@@ -147,8 +147,13 @@ def test_config_update_rms_is_eos_not_megatrons_double_scaled(method):
 
 # -- sharded: Newton–Schulz in the tp mode, the second moment under GSPMD -----
 
-@pytest.mark.parametrize("mesh_shape", [(8,), (2, 4), (4, 2)])
-@pytest.mark.parametrize("method", ["adamuon", "normuon", "namo"])
+# each method on one mesh by default, and each mesh once; -m slow: all nine
+@pytest.mark.parametrize("method, mesh_shape", [
+    pytest.param(method, mesh_shape, marks=() if (method, mesh_shape) in (
+        ("adamuon", (8,)), ("normuon", (2, 4)), ("namo", (4, 2)))
+                 else pytest.mark.slow)
+    for method in ("adamuon", "normuon", "namo")
+    for mesh_shape in ((8,), (2, 4), (4, 2))])
 def test_exact_tp_modes_equal_the_unsharded_update(method, mesh_shape):
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
   names = ("model",) if len(mesh_shape) == 1 else ("data", "model")
@@ -182,3 +187,39 @@ def test_exact_tp_modes_equal_the_unsharded_update(method, mesh_shape):
       np.testing.assert_allclose(
           got[name], expected[name], err_msg=f"{mode} {name}",
           atol=tol * float(jnp.abs(expected[name]).max()))
+
+
+def _collectives(tx, mesh, params, specs) -> dict:
+  import re
+  from jax.sharding import NamedSharding
+  sharded = jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(tx.update).lower(sharded, tx.init(sharded)).compile(
+    ).as_text()
+  return {name: len(re.findall(rf" {name}(?:-start)?\(", hlo))
+          for name in ("all-gather", "all-reduce", "all-to-all",
+                       "collective-permute", "reduce-scatter")}
+
+
+@pytest.mark.parametrize("mode", ["duplicated", "distributed", "allgather",
+                                  "blockwise"])
+def test_the_second_moment_adds_only_small_reductions(mode):
+  # NorMuon's row/column mean over a sharded axis and NAMO's norm are sums
+  # across shards (all-reduces of a vector or a scalar); AdaMuon's moment is
+  # elementwise. None gathers a matrix or moves more than Muon does.
+  from jax.sharding import AxisType, PartitionSpec as P
+  mesh = jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(AxisType.Explicit,) * 2)
+  params = {"wide": gaussian((32, 64), 1), "tall": gaussian((64, 32), 2)}
+  specs = {"wide": P(None, "model"), "tall": P("model", None)}
+  sharding = om.TensorParallel(mesh, mode=mode)
+  muon = _collectives(om.scale_by_muon(sharding=sharding), mesh, params, specs)
+  extra_all_reduces = {"adamuon": 0, "namo": 1, "normuon": 2}
+  for method, most in extra_all_reduces.items():
+    got = _collectives(om.scale_by_adaptive_muon(
+        moment2_method=method, sharding=sharding), mesh, params, specs)
+    assert got["all-reduce"] - muon["all-reduce"] <= most, (method, got, muon)
+    for name in ("all-gather", "all-to-all", "collective-permute",
+                 "reduce-scatter"):
+      assert got[name] == muon[name], (method, name, got, muon)
