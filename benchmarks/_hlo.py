@@ -4,8 +4,13 @@ import re
 
 import numpy as np
 
-COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute",
-               "reduce-scatter")
+COLLECTIVES = (
+  "all-gather",
+  "all-reduce",
+  "all-to-all",
+  "collective-permute",
+  "reduce-scatter",
+)
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
 
 
@@ -21,7 +26,8 @@ def collective_bytes(hlo: str) -> dict:
   """Bytes per collective kind, loop bodies counted trip-count times."""
   trips = {}
   for body, count in re.findall(
-      r"while\(.*?body=%?([\w.\-]+).*?known_trip_count\":\{\"n\":\"(\d+)\"", hlo):
+    r"while\(.*?body=%?([\w.\-]+).*?known_trip_count\":\{\"n\":\"(\d+)\"", hlo
+  ):
     trips[body] = int(count)
   totals, computation = {k: 0 for k in COLLECTIVES}, None
   for line in hlo.splitlines():

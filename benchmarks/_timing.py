@@ -34,7 +34,7 @@ def ns_flops(m: int, n: int, steps: int, cubic: bool = False) -> float:
   """``T·(4m²n + 2m³)`` for an m×n matrix, m ≤ n: ``X Xᵀ`` and ``B X`` take
   ``2m²n`` each, ``A A`` ``2m³``, which a cubic schedule (c = 0) skips."""
   m, n = min(m, n), max(m, n)
-  return steps * (4 * m * m * n + (0 if cubic else 2 * m ** 3))
+  return steps * (4 * m * m * n + (0 if cubic else 2 * m**3))
 
 
 def emit(record: dict) -> None:

@@ -12,17 +12,22 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from _timing import emit, quick_flag, time_once  # noqa: E402
+import statistics  # noqa: E402
+
+from _timing import emit  # noqa: E402
+from _timing import quick_flag  # noqa: E402
+from _timing import time_once  # noqa: E402
+
 from examples.flax_lm import config as config_lib  # noqa: E402
 from examples.flax_lm import train as train_lib  # noqa: E402
 from examples.flax_lm.data import ByteCorpus  # noqa: E402
-import statistics  # noqa: E402
 
 
 def main():
   quick = quick_flag()
   overrides = [a for a in sys.argv[1:] if "=" in a] or (
-      ["preset=tiny", "train.batch_size=4"] if quick else ["preset=small"])
+    ["preset=tiny", "train.batch_size=4"] if quick else ["preset=small"]
+  )
   corpus = ByteCorpus(max_bytes=500_000)
   states, samples = {}, {}
   for optimizer in ("muon", "adam"):
@@ -42,8 +47,14 @@ def main():
 
       samples[optimizer].append(time_once(run))
   median = {k: statistics.median(v) for k, v in samples.items()}
-  emit({"benchmark": "train_step", "overrides": overrides, "seconds": median,
-        "muon_over_adamw": median["muon"] / median["adam"]})
+  emit(
+    {
+      "benchmark": "train_step",
+      "overrides": overrides,
+      "seconds": median,
+      "muon_over_adamw": median["muon"] / median["adam"],
+    }
+  )
 
 
 if __name__ == "__main__":

@@ -7,8 +7,6 @@ from optax_muon.adaptive import adaptive_muon
 from optax_muon.adaptive import scale_by_adaptive_muon
 from optax_muon.adaptive import scale_by_moment2
 from optax_muon.alias import muon
-from optax_muon.hyperball import hyperball
-from optax_muon.hyperball import muon_hyperball
 from optax_muon.alias import scale_by_muon
 from optax_muon.coefficients import COEFFICIENT_SETS
 from optax_muon.coefficients import coefficient_schedule
@@ -16,6 +14,8 @@ from optax_muon.config import MuonConfig
 from optax_muon.diagnostics import orthogonality_error
 from optax_muon.diagnostics import singular_value_spread
 from optax_muon.diagnostics import update_rms
+from optax_muon.hyperball import hyperball
+from optax_muon.hyperball import muon_hyperball
 from optax_muon.infer import Layout
 from optax_muon.infer import describe
 from optax_muon.infer import infer_layout
@@ -33,52 +33,52 @@ from optax_muon.qk_clip import qk_clip
 from optax_muon.scaling import adamw_rms_match_factor
 from optax_muon.scaling import scale_by_shape
 from optax_muon.scaling import scale_factor
+from optax_muon.sharding import TensorParallel
+from optax_muon.sharding import zero1_sharding
 from optax_muon.spectral import add_spectral_clipped_weight_decay
 from optax_muon.spectral import spectral_clip
 from optax_muon.spectral import spectral_clipped_weight_decay
 from optax_muon.spectral import spectral_hardcap
-from optax_muon.sharding import TensorParallel
-from optax_muon.sharding import zero1_sharding
 
 __version__ = "0.1.0"
 
 __all__ = (
-    "COEFFICIENT_SETS",
-    "Layout",
-    "MuonConfig",
-    "MuonDimensionNumbers",
-    "SplitGateUp",
-    "SplitQKV",
-    "TensorParallel",
-    "adamw_rms_match_factor",
-    "add_spectral_clipped_weight_decay",
-    "adaptive_muon",
-    "clip_mla_qk",
-    "clip_qk",
-    "compat",
-    "coefficient_schedule",
-    "default_labels",
-    "describe",
-    "hyperball",
-    "infer_layout",
-    "momentum",
-    "muon",
-    "muon_hyperball",
-    "newton_schulz",
-    "orthogonality_error",
-    "orthogonalize",
-    "polargrad",
-    "qk_clip",
-    "scale_by_adaptive_muon",
-    "scale_by_moment2",
-    "scale_by_muon",
-    "scale_by_polargrad",
-    "scale_by_shape",
-    "scale_factor",
-    "singular_value_spread",
-    "spectral_clip",
-    "spectral_clipped_weight_decay",
-    "spectral_hardcap",
-    "update_rms",
-    "zero1_sharding",
+  "COEFFICIENT_SETS",
+  "Layout",
+  "MuonConfig",
+  "MuonDimensionNumbers",
+  "SplitGateUp",
+  "SplitQKV",
+  "TensorParallel",
+  "adamw_rms_match_factor",
+  "add_spectral_clipped_weight_decay",
+  "adaptive_muon",
+  "clip_mla_qk",
+  "clip_qk",
+  "compat",
+  "coefficient_schedule",
+  "default_labels",
+  "describe",
+  "hyperball",
+  "infer_layout",
+  "momentum",
+  "muon",
+  "muon_hyperball",
+  "newton_schulz",
+  "orthogonality_error",
+  "orthogonalize",
+  "polargrad",
+  "qk_clip",
+  "scale_by_adaptive_muon",
+  "scale_by_moment2",
+  "scale_by_muon",
+  "scale_by_polargrad",
+  "scale_by_shape",
+  "scale_factor",
+  "singular_value_spread",
+  "spectral_clip",
+  "spectral_clipped_weight_decay",
+  "spectral_hardcap",
+  "update_rms",
+  "zero1_sharding",
 )

@@ -48,9 +48,13 @@ def check_int(name: str, value: Any, *, minimum: int) -> None:
   if is_traced(value):
     return
   if isinstance(value, bool) or not (
-      isinstance(value, numbers.Integral) or
-      (hasattr(value, "dtype") and np.issubdtype(value.dtype, np.integer)
-       and np.ndim(value) == 0)):
+    isinstance(value, numbers.Integral)
+    or (
+      hasattr(value, "dtype")
+      and np.issubdtype(value.dtype, np.integer)
+      and np.ndim(value) == 0
+    )
+  ):
     raise TypeError(f"{name} must be an integer >= {minimum}, got {value!r}")
   if int(value) < minimum:
     raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -59,5 +63,5 @@ def check_int(name: str, value: Any, *, minimum: int) -> None:
 def check_choice(name: str, value: Any, choices) -> None:
   if not isinstance(value, str) or value not in choices:
     raise ValueError(
-        f"{name}={value!r} is not accepted; accepted values: {list(choices)}")
-
+      f"{name}={value!r} is not accepted; accepted values: {list(choices)}"
+    )

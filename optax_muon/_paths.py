@@ -8,7 +8,9 @@ longest matching prefix) works on both, and on ``flax.nnx.State`` too.
 
 import difflib
 import re
-from typing import Any, Callable, Iterable
+from collections.abc import Callable
+from collections.abc import Iterable
+from typing import Any
 
 import jax
 import optax
@@ -27,8 +29,11 @@ def path_names(path: Iterable[Any]) -> Path:
   """Key names of a path, without the ``.value`` a ``flax.nnx`` Variable adds
   (so a ``State`` of Variables and its pure-array form share their paths)."""
   path = tuple(path)
-  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and (
-      path[-1].name == "value"):
+  if (
+    path
+    and isinstance(path[-1], jax.tree_util.GetAttrKey)
+    and (path[-1].name == "value")
+  ):
     path = path[:-1]
   return tuple(key_name(k) for k in path)
 
@@ -48,14 +53,16 @@ def known_paths(tree) -> set[Path]:
   enclosing ``optax.partition`` masked out (``optax.MaskedNode``, the other
   group's), and every prefix of them (a subtree)."""
   pairs, _ = jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode)
+  )
   leaves = {path_names(p) for p, _ in pairs}
   return {p[:end] for p in leaves for end in range(len(p) + 1)}
 
 
 def _sample(known: set[Path], count: int = 3) -> str:
-  leaves = sorted(p for p in known
-                  if not any(q[:len(p)] == p and q != p for q in known))
+  leaves = sorted(
+    p for p in known if not any(q[: len(p)] == p and q != p for q in known)
+  )
   shown = [path_string(p) for p in leaves[:count]]
   return f"{len(leaves)} leaves, e.g. {shown}" if leaves else "no leaves"
 
@@ -69,12 +76,17 @@ def check_paths_known(name: str, paths: Iterable[Path], tree) -> None:
     if path not in known:
       text = path_string(path)
       by_lower = {path_string(p).lower(): path_string(p) for p in known if p}
-      nearest = difflib.get_close_matches(text.lower(), sorted(by_lower), n=3,
-                                          cutoff=0.3)
-      hint = (f"nearest existing paths: {[by_lower[p] for p in nearest]}"
-              if nearest else f"the optimizer sees {_sample(known)}")
-      raise ValueError(f"{name} names {text!r}, which is no parameter path; "
-                       f"{hint}")
+      nearest = difflib.get_close_matches(
+        text.lower(), sorted(by_lower), n=3, cutoff=0.3
+      )
+      hint = (
+        f"nearest existing paths: {[by_lower[p] for p in nearest]}"
+        if nearest
+        else f"the optimizer sees {_sample(known)}"
+      )
+      raise ValueError(
+        f"{name} names {text!r}, which is no parameter path; {hint}"
+      )
 
 
 def is_function(value) -> bool:
@@ -84,7 +96,8 @@ def is_function(value) -> bool:
   if isinstance(value, jax.tree_util.Partial):
     return True
   return callable(value) and jax.tree_util.treedef_is_leaf(
-      jax.tree.structure(value))
+    jax.tree.structure(value)
+  )
 
 
 class FromLayout:
@@ -99,8 +112,11 @@ class FromLayout:
 def _type_name(types) -> str:
   types = types if isinstance(types, tuple) else (types,)
   return "a " + " or ".join(
-      f"{t.__module__.split('._')[0]}.{t.__qualname__}"
-      if t.__module__ != "builtins" else t.__name__ for t in types)
+    f"{t.__module__.split('._')[0]}.{t.__qualname__}"
+    if t.__module__ != "builtins"
+    else t.__name__
+    for t in types
+  )
 
 
 class PathLookup:
@@ -115,8 +131,14 @@ class PathLookup:
   called.
   """
 
-  def __init__(self, name: str, spec, single_type: type | tuple[type, ...],
-               default=None, type_name: str | None = None):
+  def __init__(
+    self,
+    name: str,
+    spec,
+    single_type: type | tuple[type, ...],
+    default=None,
+    type_name: str | None = None,
+  ):
     self._name = name
     self._strict = not isinstance(spec, FromLayout)
     self._spec = spec.tree if isinstance(spec, FromLayout) else spec
@@ -127,8 +149,9 @@ class PathLookup:
       self._table(self._spec)
 
   def _is_function(self) -> bool:
-    return is_function(self._spec) and not isinstance(self._spec,
-                                                      self._single_type)
+    return is_function(self._spec) and not isinstance(
+      self._spec, self._single_type
+    )
 
   def _is_single(self, spec) -> bool:
     return spec is None or isinstance(spec, self._single_type)
@@ -140,9 +163,10 @@ class PathLookup:
       if not isinstance(value, self._single_type):
         where = f" at {path_string(path)}" if path else ""
         raise TypeError(
-            f"{self._name}{where} is {value!r}, not {self._type_name}; "
-            "accepted: one for all leaves, a tree of them (None: no entry) "
-            "or a function of the params returning such a tree")
+          f"{self._name}{where} is {value!r}, not {self._type_name}; "
+          "accepted: one for all leaves, a tree of them (None: no entry) "
+          "or a function of the params returning such a tree"
+        )
     return table
 
   def resolve(self, tree) -> Callable[[Path], Any]:

@@ -10,29 +10,80 @@ the set of leaves whose matmul produced it last, which finds the head.
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.extend
 
 # ops that pass a leaf's axes through unchanged
-_SAME_AXES = {"convert_element_type", "copy", "copy_p", "reduce_precision",
-              "sharding_constraint", "mesh_cast", "optimization_barrier",
-              "stop_gradient"}
+_SAME_AXES = {
+  "convert_element_type",
+  "copy",
+  "copy_p",
+  "reduce_precision",
+  "sharding_constraint",
+  "mesh_cast",
+  "optimization_barrier",
+  "stop_gradient",
+}
 # ops after which a leaf is a vector (elementwise, reductions, selections)
 _ELEMENTWISE = {
-    "add", "sub", "mul", "div", "neg", "max", "min", "exp", "exp2", "log",
-    "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "pow",
-    "integer_pow", "square", "abs", "sign", "select_n", "erf", "erf_inv",
-    "sin", "cos", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
-    "argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge", "clamp", "floor",
-    "ceil", "round", "is_finite", "add_any", "nextafter", "atan2", "rem"}
+  "add",
+  "sub",
+  "mul",
+  "div",
+  "neg",
+  "max",
+  "min",
+  "exp",
+  "exp2",
+  "log",
+  "log1p",
+  "expm1",
+  "tanh",
+  "logistic",
+  "sqrt",
+  "rsqrt",
+  "cbrt",
+  "pow",
+  "integer_pow",
+  "square",
+  "abs",
+  "sign",
+  "select_n",
+  "erf",
+  "erf_inv",
+  "sin",
+  "cos",
+  "reduce_sum",
+  "reduce_max",
+  "reduce_min",
+  "reduce_prod",
+  "argmax",
+  "argmin",
+  "eq",
+  "ne",
+  "lt",
+  "le",
+  "gt",
+  "ge",
+  "clamp",
+  "floor",
+  "ceil",
+  "round",
+  "is_finite",
+  "add_any",
+  "nextafter",
+  "atan2",
+  "rem",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class View:
   """A jaxpr value that is (a view of) param leaf ``leaf``: for each of its
   axes, the leaf axes it covers (several when merged; shared when split)."""
+
   leaf: int
   axes: tuple[frozenset[int], ...]
 
@@ -46,6 +97,7 @@ class Product:
   fused K/V) or a batch dim of another param's matmul (a dense MoE's expert
   axis) makes them batch axes. ``halves``: ``(leaf, leaf axis, 0 or 1)``
   when the value is one half of such an axis (a fused gate/up's gate or up)."""
+
   axes: tuple[frozenset[tuple[int, int]], ...]
   halves: frozenset[tuple[int, int, int]] = frozenset()
 
@@ -96,9 +148,13 @@ class Analysis:
           views[var] = view
         if tag:
           tags[var] = tag
-    return ([views.get(v) if _is_var(v) else None for v in jaxpr.outvars],
-            [tags.get(v, frozenset()) if _is_var(v) else frozenset()
-             for v in jaxpr.outvars])
+    return (
+      [views.get(v) if _is_var(v) else None for v in jaxpr.outvars],
+      [
+        tags.get(v, frozenset()) if _is_var(v) else frozenset()
+        for v in jaxpr.outvars
+      ],
+    )
 
   def mark(self, pairs, kind: str, reason: str) -> None:
     """Records ``kind`` for each ``(leaf, axis)`` of a product's axis."""
@@ -116,26 +172,44 @@ class Analysis:
       return None
     if name in ("slice", "dynamic_slice"):
       shape = eqn.invars[0].aval.shape
-      sizes = (eqn.params["slice_sizes"] if name == "dynamic_slice" else
-               [b - a for a, b in zip(eqn.params["start_indices"],
-                                      eqn.params["limit_indices"])])
+      sizes = (
+        eqn.params["slice_sizes"]
+        if name == "dynamic_slice"
+        else [
+          b - a
+          for a, b in zip(
+            eqn.params["start_indices"], eqn.params["limit_indices"]
+          )
+        ]
+      )
       if prods[0] is None:
         return None
       for axis, (old, new) in enumerate(zip(shape, sizes)):
         if new == 1 < old:
           self.mark(prods[0].axes[axis], "split", "indexed apart")
       if name == "slice":
-        return [_halved(prods[0], [
-            (axis, start // new) for axis, (old, new, start) in enumerate(
-                zip(shape, sizes, eqn.params["start_indices"]))
-            if 2 * new == old and start % new == 0])]
+        return [
+          _halved(
+            prods[0],
+            [
+              (axis, start // new)
+              for axis, (old, new, start) in enumerate(
+                zip(shape, sizes, eqn.params["start_indices"])
+              )
+              if 2 * new == old and start % new == 0
+            ],
+          )
+        ]
       return [prods[0]]
     if name == "gather" and prods[0] is not None and _is_index(eqn):
       collapsed = eqn.params["dimension_numbers"].collapsed_slice_dims
       for axis in collapsed:
         self.mark(prods[0].axes[axis], "split", "indexed apart")
-      return [Product(tuple(a for d, a in enumerate(prods[0].axes)
-                            if d not in collapsed))]
+      return [
+        Product(
+          tuple(a for d, a in enumerate(prods[0].axes) if d not in collapsed)
+        )
+      ]
     if name == "unstack" and prods[0] is not None:  # jax >= 0.11: a, b = x
       axis = eqn.params["axis"]
       self.mark(prods[0].axes[axis], "split", "indexed apart")
@@ -149,13 +223,21 @@ class Analysis:
       return [prods[0]] * len(eqn.outvars)
     if name == "dot_general":
       (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
-      for prod, other, batch in ((prods[0], values[1], lhs_b),
-                                 (prods[1], values[0], rhs_b)):
-        if prod is not None and isinstance(other, View) and (
-            other.leaf < self.count):
+      for prod, other, batch in (
+        (prods[0], values[1], lhs_b),
+        (prods[1], values[0], rhs_b),
+      ):
+        if (
+          prod is not None
+          and isinstance(other, View)
+          and (other.leaf < self.count)
+        ):
           for axis in batch:
-            self.mark(prod.axes[axis], "expert",
-                      "a batch dim of another parameter's matmul")
+            self.mark(
+              prod.axes[axis],
+              "expert",
+              "a batch dim of another parameter's matmul",
+            )
       return None
     if name in VIEW_OPS and prods[0] is not None and not any(values[1:]):
       return [VIEW_OPS[name](prods[0], eqn)]
@@ -168,16 +250,21 @@ class Analysis:
           for leaf, axis, half in halves:
             if half == 0 and (leaf, axis, 1) in halves:
               self.mark({(leaf, axis)}, "gated", "halves multiplied together")
-        return [Product(tuple(union(*axes) for axes in zip(
-            *[p.axes for p in carried])), halves)]
+        return [
+          Product(
+            tuple(union(*axes) for axes in zip(*[p.axes for p in carried])),
+            halves,
+          )
+        ]
     return None
 
   def equation(self, eqn, views, tags):
     name = eqn.primitive.name
     values = [views.get(v) if _is_var(v) else None for v in eqn.invars]
     ins = [v if isinstance(v, View) else None for v in values]
-    in_tags = union(*[tags.get(v, frozenset()) for v in eqn.invars
-                       if _is_var(v)])
+    in_tags = union(
+      *[tags.get(v, frozenset()) for v in eqn.invars if _is_var(v)]
+    )
     n_out = len(eqn.outvars)
     plain = ([None] * n_out, [in_tags] * n_out)
     sub = _sub_jaxprs(eqn)
@@ -189,16 +276,22 @@ class Analysis:
       (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
       leaves, out_axes = set(), [frozenset()] * len(lhs_b)
       for view, operand, contracting, batch in (
-          (ins[0], eqn.invars[0], lhs_c, lhs_b),
-          (ins[1], eqn.invars[1], rhs_c, rhs_b)):
-        free = [a for a in range(len(operand.aval.shape))
-                if a not in tuple(contracting) + tuple(batch)]
+        (ins[0], eqn.invars[0], lhs_c, lhs_b),
+        (ins[1], eqn.invars[1], rhs_c, rhs_b),
+      ):
+        free = [
+          a
+          for a in range(len(operand.aval.shape))
+          if a not in tuple(contracting) + tuple(batch)
+        ]
         if view is not None:
-          self.use(view, Use("dot", _axes(view, contracting),
-                              _axes(view, free)))
+          self.use(
+            view, Use("dot", _axes(view, contracting), _axes(view, free))
+          )
           leaves.add(view.leaf)
-          out_axes += [frozenset({(view.leaf, a) for a in view.axes[d]})
-                       for d in free]
+          out_axes += [
+            frozenset({(view.leaf, a) for a in view.axes[d]}) for d in free
+          ]
         else:
           out_axes += [frozenset()] * len(free)
       product = Product(tuple(out_axes)) if len(leaves) == 1 else None
@@ -207,8 +300,9 @@ class Analysis:
       numbers = eqn.params["ragged_dot_dimension_numbers"]
       (_, contracting), (_, batch) = numbers.dot_dimension_numbers
       view, group = ins[1], tuple(numbers.rhs_group_dimensions)
-      free = [a for a in range(len(view.axes))
-              if a not in contracting + batch + group]
+      free = [
+        a for a in range(len(view.axes)) if a not in contracting + batch + group
+      ]
       self.use(view, Use("dot", _axes(view, contracting), _axes(view, free)))
       return [None], [self._params({view.leaf})]  # the group axis: batch
     if name == "conv_general_dilated" and ins[1] is not None:
@@ -217,22 +311,28 @@ class Analysis:
       if eqn.params["feature_group_count"] > 1:
         self.use(view, Use("depthwise", reason="feature_group_count > 1"))
       else:
-        self.use(view, Use("conv", _axes(view, spec[1:]),
-                            _axes(view, spec[:1])))
+        self.use(
+          view, Use("conv", _axes(view, spec[1:]), _axes(view, spec[:1]))
+        )
       return [None], [self._params({view.leaf})]
     if name == "dynamic_slice" and ins[0] is not None:
       return [ins[0]], [in_tags]  # w[i]: a later squeeze drops the axis
     if name == "gather" and ins[0] is not None:
       if _is_index(eqn):
         collapsed = eqn.params["dimension_numbers"].collapsed_slice_dims
-        return [View(ins[0].leaf, tuple(
-            a for d, a in enumerate(ins[0].axes) if d not in collapsed))], [
-                in_tags]
+        return [
+          View(
+            ins[0].leaf,
+            tuple(a for d, a in enumerate(ins[0].axes) if d not in collapsed),
+          )
+        ], [in_tags]
       self.use(ins[0], Use("gather"))
       return plain
     if name == "unstack" and ins[0] is not None:  # jax >= 0.11: a, b = w
-      return ([_drop_axis(ins[0], eqn.params["axis"])] * n_out,
-              [in_tags] * n_out)
+      return (
+        [_drop_axis(ins[0], eqn.params["axis"])] * n_out,
+        [in_tags] * n_out,
+      )
     if name == "concatenate" and sum(v is not None for v in ins) == 1:
       # each operand is a slice of the result along the joined axis
       (view,) = [v for v in ins if v is not None]
@@ -242,9 +342,16 @@ class Analysis:
       if view is not None:
         return [view], [in_tags]
     if sub is not None:
-      return self.call(name, eqn, sub, values, [tags.get(v, frozenset())
-                                             if _is_var(v) else frozenset()
-                                             for v in eqn.invars])
+      return self.call(
+        name,
+        eqn,
+        sub,
+        values,
+        [
+          tags.get(v, frozenset()) if _is_var(v) else frozenset()
+          for v in eqn.invars
+        ],
+      )
     self.use_plainly(name, ins)
     return plain
 
@@ -253,30 +360,44 @@ class Analysis:
     for view in ins:
       if view is not None:
         kind = "vector" if name in _ELEMENTWISE else "unknown"
-        self.use(view, Use(kind, reason="" if kind == "vector" else
-                            f"used through {name}, which the analysis does "
-                            "not follow"))
+        self.use(
+          view,
+          Use(
+            kind,
+            reason=""
+            if kind == "vector"
+            else f"used through {name}, which the analysis does not follow",
+          ),
+        )
 
   def call(self, name, eqn, sub, ins, in_tags):
     """A primitive with sub-programs: map the operands in, walk, map back."""
     if name == "cond":
-      outs = [self.run(branch, _bind(branch, ins[1:]), _bind(branch, in_tags[1:]))
-              for branch in sub]
-      return ([None] * len(eqn.outvars),
-              [union(*tags) for tags in zip(*[o[1] for o in outs])])
+      outs = [
+        self.run(branch, _bind(branch, ins[1:]), _bind(branch, in_tags[1:]))
+        for branch in sub
+      ]
+      return (
+        [None] * len(eqn.outvars),
+        [union(*tags) for tags in zip(*[o[1] for o in outs])],
+      )
     if name == "scan":
       (body,) = sub
       consts, carry = scan_operand_counts(eqn.params)
-      sliced = [None if v is None else dataclasses.replace(v, axes=v.axes[1:])
-                for v in ins[consts + carry:]]
-      body_ins = ins[:consts + carry] + sliced
+      sliced = [
+        None if v is None else dataclasses.replace(v, axes=v.axes[1:])
+        for v in ins[consts + carry :]
+      ]
+      body_ins = ins[: consts + carry] + sliced
       body_tags = list(in_tags)
       for _ in range(2):  # tags that go round the carry
-        _, out_tags = self.run(body, _bind(body, body_ins),
-                               _bind(body, body_tags))
-        body_tags[consts:consts + carry] = [
-            a | b for a, b in zip(body_tags[consts:consts + carry],
-                                  out_tags[:carry])]
+        _, out_tags = self.run(
+          body, _bind(body, body_ins), _bind(body, body_tags)
+        )
+        body_tags[consts : consts + carry] = [
+          a | b
+          for a, b in zip(body_tags[consts : consts + carry], out_tags[:carry])
+        ]
       return [None] * len(eqn.outvars), out_tags
     if name == "while":
       cond_n, body_n = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
@@ -284,17 +405,25 @@ class Analysis:
       body_ins = ins[cond_n:]
       body_tags = list(in_tags[cond_n:])
       for _ in range(2):
-        _, out_tags = self.run(body, _bind(body, body_ins),
-                               _bind(body, body_tags))
-        body_tags[body_n:] = [a | b for a, b in zip(body_tags[body_n:],
-                                                    out_tags)]
+        _, out_tags = self.run(
+          body, _bind(body, body_ins), _bind(body, body_tags)
+        )
+        body_tags[body_n:] = [
+          a | b for a, b in zip(body_tags[body_n:], out_tags)
+        ]
       return [None] * len(eqn.outvars), out_tags
     (inner,) = sub[:1]
     if len(inner.invars) != len(ins):
       for view in ins:
         if isinstance(view, View):
-          self.use(view, Use("unknown", reason=f"used through {name}, whose "
-                              "operands the analysis cannot map"))
+          self.use(
+            view,
+            Use(
+              "unknown",
+              reason=f"used through {name}, whose "
+              "operands the analysis cannot map",
+            ),
+          )
       return [None] * len(eqn.outvars), [union(*in_tags)] * len(eqn.outvars)
     return self.run(inner, _bind(inner, ins), _bind(inner, in_tags))
 
@@ -302,9 +431,15 @@ class Analysis:
 def _halved(product: Product, halves) -> Product:
   """``product`` cut to half ``half`` of each ``(axis, half)``: records which
   leaf output axes it is half of."""
-  return dataclasses.replace(product, halves=product.halves | {
-      (leaf, leaf_axis, half) for axis, half in halves
-      for leaf, leaf_axis in product.axes[axis]})
+  return dataclasses.replace(
+    product,
+    halves=product.halves
+    | {
+      (leaf, leaf_axis, half)
+      for axis, half in halves
+      for leaf, leaf_axis in product.axes[axis]
+    },
+  )
 
 
 def scan_operand_counts(params) -> tuple[int, int]:
@@ -322,12 +457,16 @@ def scan_operand_counts(params) -> tuple[int, int]:
 
 def _is_var(v) -> bool:
   return isinstance(v, jax.extend.core.Var) and not isinstance(
-      v, jax.extend.core.DropVar)
+    v, jax.extend.core.DropVar
+  )
 
 
 def _bind(jaxpr, values) -> dict:
-  return {var: value for var, value in zip(jaxpr.invars, values)
-          if value is not None and value != frozenset()}
+  return {
+    var: value
+    for var, value in zip(jaxpr.invars, values)
+    if value is not None and value != frozenset()
+  }
 
 
 def _sub_jaxprs(eqn):
@@ -352,13 +491,16 @@ def _axes(view: View, dims) -> frozenset[int]:
 def _is_index(eqn) -> bool:
   """A gather that takes whole slices at one scalar index (``w[i]``)."""
   indices = eqn.invars[1].aval.shape
-  return math.prod(indices[:-1]) == 1 and not eqn.params[
-      "dimension_numbers"].operand_batching_dims
+  return (
+    math.prod(indices[:-1]) == 1
+    and not eqn.params["dimension_numbers"].operand_batching_dims
+  )
 
 
 def _transpose(view, eqn):
-  return dataclasses.replace(view, axes=tuple(view.axes[p]
-                                for p in eqn.params["permutation"]))
+  return dataclasses.replace(
+    view, axes=tuple(view.axes[p] for p in eqn.params["permutation"])
+  )
 
 
 def _reshape(view, eqn):
@@ -386,18 +528,24 @@ def _reshape(view, eqn):
     covered = union(*[view.axes[a] for a in group_old if a < len(old)])
     axes += [covered] * len([b for b in group_new if b < len(new)])
     i, j = i + 1, j + 1
-  return (dataclasses.replace(view, axes=tuple(axes))
-          if len(axes) == len(new) else None)
+  return (
+    dataclasses.replace(view, axes=tuple(axes))
+    if len(axes) == len(new)
+    else None
+  )
 
 
 def _squeeze(view, eqn):
   dims = {d % len(view.axes) for d in eqn.params["dimensions"]}
-  return dataclasses.replace(view, axes=tuple(
-      a for d, a in enumerate(view.axes) if d not in dims))
+  return dataclasses.replace(
+    view, axes=tuple(a for d, a in enumerate(view.axes) if d not in dims)
+  )
 
 
 def _drop_axis(view, axis: int):
-  return dataclasses.replace(view, axes=view.axes[:axis] + view.axes[axis + 1:])
+  return dataclasses.replace(
+    view, axes=view.axes[:axis] + view.axes[axis + 1 :]
+  )
 
 
 def _expand(view, eqn):
@@ -419,8 +567,12 @@ def _slice(view, eqn):
 
 
 VIEW_OPS: dict[str, Callable] = {
-    **{name: (lambda view, eqn: view) for name in _SAME_AXES},
-    "transpose": _transpose, "reshape": _reshape, "squeeze": _squeeze,
-    "expand_dims": _expand, "broadcast_in_dim": _broadcast, "slice": _slice,
-    "pad": _slice,  # a padded leaf keeps its axes, like a slice
+  **{name: (lambda view, eqn: view) for name in _SAME_AXES},
+  "transpose": _transpose,
+  "reshape": _reshape,
+  "squeeze": _squeeze,
+  "expand_dims": _expand,
+  "broadcast_in_dim": _broadcast,
+  "slice": _slice,
+  "pad": _slice,  # a padded leaf keeps its axes, like a slice
 }

@@ -18,28 +18,38 @@ _logger = logging.getLogger("optax_muon")
 _logged_factors: set[float] = set()
 
 
-def resolve_extra_scale_factor(extra_scale_factor, match_adamw_update_rms: bool,
-                               adamw_beta1):
+def resolve_extra_scale_factor(
+  extra_scale_factor, match_adamw_update_rms: bool, adamw_beta1
+):
   """The factor applied after the shape scale (see ``scale_by_muon``).
 
   Raises:
     ValueError: both ``match_adamw_update_rms`` and ``extra_scale_factor`` set.
   """
   if not isinstance(match_adamw_update_rms, bool):
-    raise TypeError("match_adamw_update_rms must be a bool, got "
-                    f"{match_adamw_update_rms!r}")
+    raise TypeError(
+      f"match_adamw_update_rms must be a bool, got {match_adamw_update_rms!r}"
+    )
   if match_adamw_update_rms:
     if extra_scale_factor is not None:
       raise ValueError(
-          "match_adamw_update_rms=True derives extra_scale_factor from AdamW's "
-          f"beta1, but extra_scale_factor={extra_scale_factor!r} was also set; "
-          "set exactly one of them")
+        "match_adamw_update_rms=True derives extra_scale_factor from AdamW's "
+        f"beta1, but extra_scale_factor={extra_scale_factor!r} was also set; "
+        "set exactly one of them"
+      )
     factor = scaling.adamw_rms_match_factor(adamw_beta1)
-    if not _checks.is_traced(factor) and factor not in _logged_factors and (
-        jax.process_index() == 0):
+    if (
+      not _checks.is_traced(factor)
+      and factor not in _logged_factors
+      and (jax.process_index() == 0)
+    ):
       _logged_factors.add(factor)
-      _logger.info("match_adamw_update_rms: extra_scale_factor resolved to "
-                   "%.6f from adamw beta1=%s", factor, float(np.asarray(adamw_beta1)))
+      _logger.info(
+        "match_adamw_update_rms: extra_scale_factor resolved to "
+        "%.6f from adamw beta1=%s",
+        factor,
+        float(np.asarray(adamw_beta1)),
+      )
     return factor
   if extra_scale_factor is None:
     return 1.0
@@ -47,15 +57,27 @@ def resolve_extra_scale_factor(extra_scale_factor, match_adamw_update_rms: bool,
   return extra_scale_factor
 
 
-def scale_by_muon(*, beta=0.95, nesterov: bool = True,
-                  momentum_style: str = "ema", mu_dtype=None,
-                  coefficients="quintic", steps=5, precision: str = "highest",
-                  method: str = "standard", scale_mode: str = "spectral",
-                  extra_scale_factor=None, match_adamw_update_rms: bool = False,
-                  adamw_beta1=0.9, dimension_numbers=None, split_qkv=None,
-                  sharding=None, preconditioning: str = "frobenius",
-                  layout=None, split_gate_up=None
-                  ) -> optax.GradientTransformation:
+def scale_by_muon(
+  *,
+  beta=0.95,
+  nesterov: bool = True,
+  momentum_style: str = "ema",
+  mu_dtype=None,
+  coefficients="quintic",
+  steps=5,
+  precision: str = "highest",
+  method: str = "standard",
+  scale_mode: str = "spectral",
+  extra_scale_factor=None,
+  match_adamw_update_rms: bool = False,
+  adamw_beta1=0.9,
+  dimension_numbers=None,
+  split_qkv=None,
+  sharding=None,
+  preconditioning: str = "frobenius",
+  layout=None,
+  split_gate_up=None,
+) -> optax.GradientTransformation:
   r"""Muon's direction: momentum, orthogonalized, scaled by shape.
 
   For each matrix ``G`` (``fan_in × fan_out``) of each leaf::
@@ -107,24 +129,35 @@ def scale_by_muon(*, beta=0.95, nesterov: bool = True,
   """
   # Checked here under this function's names (momentum's ``style`` is our
   # ``momentum_style``), so that an error names the argument the user passed.
-  _checks.check_choice("momentum_style", momentum_style,
-                       momentum_lib.MOMENTUM_STYLES)
+  _checks.check_choice(
+    "momentum_style", momentum_style, momentum_lib.MOMENTUM_STYLES
+  )
   _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
   momentum_lib.canonical_dtype("mu_dtype", mu_dtype)
   _, dimension_numbers = from_layout(layout, None, dimension_numbers)
-  extra = resolve_extra_scale_factor(extra_scale_factor, match_adamw_update_rms,
-                                     adamw_beta1)
-  layout_args = dict(dimension_numbers=dimension_numbers, split_qkv=split_qkv,
-                     split_gate_up=split_gate_up, sharding=sharding)
+  extra = resolve_extra_scale_factor(
+    extra_scale_factor, match_adamw_update_rms, adamw_beta1
+  )
+  layout_args = dict(
+    dimension_numbers=dimension_numbers,
+    split_qkv=split_qkv,
+    split_gate_up=split_gate_up,
+    sharding=sharding,
+  )
   return optax.chain(
-      momentum_lib.momentum(beta, nesterov=nesterov, style=momentum_style,
-                            dtype=mu_dtype),
-      orthogonalize_lib.orthogonalize(coefficients=coefficients, steps=steps,
-                                      precision=precision, method=method,
-                                      preconditioning=preconditioning,
-                                      **layout_args),
-      scaling.scale_by_shape(scale_mode, **layout_args),
-      optax.scale(extra),
+    momentum_lib.momentum(
+      beta, nesterov=nesterov, style=momentum_style, dtype=mu_dtype
+    ),
+    orthogonalize_lib.orthogonalize(
+      coefficients=coefficients,
+      steps=steps,
+      precision=precision,
+      method=method,
+      preconditioning=preconditioning,
+      **layout_args,
+    ),
+    scaling.scale_by_shape(scale_mode, **layout_args),
+    optax.scale(extra),
   )
 
 
@@ -137,19 +170,29 @@ def from_layout(layout, labels, dimension_numbers):
   """
   if layout is None:
     return labels, dimension_numbers
-  given = [name for name, value in (("labels", labels),
-                                    ("dimension_numbers", dimension_numbers))
-           if value is not None]
+  given = [
+    name
+    for name, value in (
+      ("labels", labels),
+      ("dimension_numbers", dimension_numbers),
+    )
+    if value is not None
+  ]
   if given:
     raise ValueError(
-        f"layout= gives the labels and dimension numbers, but {given[0]}= was "
-        "also set; pass layout= alone, or labels=/dimension_numbers= without "
-        "layout=")
+      f"layout= gives the labels and dimension numbers, but {given[0]}= was "
+      "also set; pass layout= alone, or labels=/dimension_numbers= without "
+      "layout="
+    )
   if not (hasattr(layout, "labels") and hasattr(layout, "dimension_numbers")):
-    raise TypeError(f"layout must be an om.Layout (from om.infer_layout), got "
-                    f"{type(layout).__name__}")
-  return (_paths.FromLayout(layout.labels),
-          _paths.FromLayout(layout.dimension_numbers))
+    raise TypeError(
+      f"layout must be an om.Layout (from om.infer_layout), got "
+      f"{type(layout).__name__}"
+    )
+  return (
+    _paths.FromLayout(layout.labels),
+    _paths.FromLayout(layout.dimension_numbers),
+  )
 
 
 def matrices_only(params):
@@ -158,8 +201,9 @@ def matrices_only(params):
   return jax.tree.map(lambda x: jax.numpy.ndim(x) >= 2, params)
 
 
-def in_params_dtype(inner: optax.GradientTransformation
-                    ) -> optax.GradientTransformation:
+def in_params_dtype(
+  inner: optax.GradientTransformation,
+) -> optax.GradientTransformation:
   """``inner`` with each update leaf cast to its parameter's dtype (Muon's
   float32 momentum would otherwise give float32 updates to bfloat16
   params); the state is ``inner``'s own, so checkpoints are unchanged."""
@@ -167,8 +211,9 @@ def in_params_dtype(inner: optax.GradientTransformation
   def update_fn(updates, state, params=None):
     updates, state = inner.update(updates, state, params)
     if params is not None:
-      updates = jax.tree.map(lambda u, p: u.astype(jax.numpy.result_type(p)),
-                             updates, params)
+      updates = jax.tree.map(
+        lambda u, p: u.astype(jax.numpy.result_type(p)), updates, params
+      )
     return updates, state
 
   return optax.GradientTransformation(inner.init, update_fn)
@@ -190,23 +235,45 @@ def _mask_by_path(name, mask):
 
 def _check_learning_rate(name, value, optional=False):
   if value is None and not optional:
-    raise ValueError(f"{name}=None is not accepted; accepted: a float >= 0 or "
-                     "an optax schedule")
+    raise ValueError(
+      f"{name}=None is not accepted; accepted: a float >= 0 or "
+      "an optax schedule"
+    )
   if value is not None and not callable(value):
     _checks.check_range(name, value, 0.0, np.inf)
 
 
-def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
-         momentum_style: str = "ema", mu_dtype=None, coefficients="quintic",
-         steps=5, precision: str = "highest", method: str = "standard",
-         scale_mode: str = "spectral", extra_scale_factor=None,
-         match_adamw_update_rms: bool = False, dimension_numbers=None,
-         split_qkv=None, sharding=None, weight_decay=0.0,
-         weight_decay_mask=None, labels=None, scalar_optimizer: str = "adam",
-         adam_learning_rate=None, adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,
-         adam_weight_decay=0.0, adam_weight_decay_mask=None,
-         preconditioning: str = "frobenius",
-         layout=None, split_gate_up=None) -> optax.GradientTransformation:
+def muon(
+  learning_rate,
+  *,
+  beta=0.95,
+  nesterov: bool = True,
+  momentum_style: str = "ema",
+  mu_dtype=None,
+  coefficients="quintic",
+  steps=5,
+  precision: str = "highest",
+  method: str = "standard",
+  scale_mode: str = "spectral",
+  extra_scale_factor=None,
+  match_adamw_update_rms: bool = False,
+  dimension_numbers=None,
+  split_qkv=None,
+  sharding=None,
+  weight_decay=0.0,
+  weight_decay_mask=None,
+  labels=None,
+  scalar_optimizer: str = "adam",
+  adam_learning_rate=None,
+  adam_b1=0.9,
+  adam_b2=0.999,
+  adam_eps=1e-8,
+  adam_weight_decay=0.0,
+  adam_weight_decay_mask=None,
+  preconditioning: str = "frobenius",
+  layout=None,
+  split_gate_up=None,
+) -> optax.GradientTransformation:
   r"""Muon for the matrices, AdamW (or Lion) for everything else.
 
   Muon leaves: ``p ← p − lr · (scale_by_muon(g) + weight_decay · p)``
@@ -250,29 +317,56 @@ def muon(learning_rate, *, beta=0.95, nesterov: bool = True,
   """
   labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
   direction = scale_by_muon(
-      beta=beta, nesterov=nesterov, momentum_style=momentum_style,
-      mu_dtype=mu_dtype, coefficients=coefficients, steps=steps,
-      precision=precision, method=method, scale_mode=scale_mode,
-      extra_scale_factor=extra_scale_factor,
-      match_adamw_update_rms=match_adamw_update_rms, adamw_beta1=adam_b1,
-      dimension_numbers=dimension_numbers, split_qkv=split_qkv,
-      split_gate_up=split_gate_up, sharding=sharding,
-      preconditioning=preconditioning)
-  return route(direction, learning_rate, weight_decay=weight_decay,
-               weight_decay_mask=weight_decay_mask, labels=labels,
-               scalar_optimizer=scalar_optimizer,
-               adam_learning_rate=adam_learning_rate, adam_b1=adam_b1,
-               adam_b2=adam_b2, adam_eps=adam_eps,
-               adam_weight_decay=adam_weight_decay,
-               adam_weight_decay_mask=adam_weight_decay_mask)
+    beta=beta,
+    nesterov=nesterov,
+    momentum_style=momentum_style,
+    mu_dtype=mu_dtype,
+    coefficients=coefficients,
+    steps=steps,
+    precision=precision,
+    method=method,
+    scale_mode=scale_mode,
+    extra_scale_factor=extra_scale_factor,
+    match_adamw_update_rms=match_adamw_update_rms,
+    adamw_beta1=adam_b1,
+    dimension_numbers=dimension_numbers,
+    split_qkv=split_qkv,
+    split_gate_up=split_gate_up,
+    sharding=sharding,
+    preconditioning=preconditioning,
+  )
+  return route(
+    direction,
+    learning_rate,
+    weight_decay=weight_decay,
+    weight_decay_mask=weight_decay_mask,
+    labels=labels,
+    scalar_optimizer=scalar_optimizer,
+    adam_learning_rate=adam_learning_rate,
+    adam_b1=adam_b1,
+    adam_b2=adam_b2,
+    adam_eps=adam_eps,
+    adam_weight_decay=adam_weight_decay,
+    adam_weight_decay_mask=adam_weight_decay_mask,
+  )
 
 
-def route(direction: optax.GradientTransformation, learning_rate, *,
-          weight_decay=0.0, weight_decay_mask=None, labels=None,
-          scalar_optimizer: str = "adam", adam_learning_rate=None,
-          adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8, adam_weight_decay=0.0,
-          adam_weight_decay_mask=None, muon_step=None
-          ) -> optax.GradientTransformation:
+def route(
+  direction: optax.GradientTransformation,
+  learning_rate,
+  *,
+  weight_decay=0.0,
+  weight_decay_mask=None,
+  labels=None,
+  scalar_optimizer: str = "adam",
+  adam_learning_rate=None,
+  adam_b1=0.9,
+  adam_b2=0.999,
+  adam_eps=1e-8,
+  adam_weight_decay=0.0,
+  adam_weight_decay_mask=None,
+  muon_step=None,
+) -> optax.GradientTransformation:
   """A Muon-family ``direction`` for the ``"muon"`` leaves, with decoupled
   weight decay and the learning rate (or ``muon_step``, a transform that
   turns the direction into the step itself), beside AdamW (or Lion) for the
@@ -285,23 +379,49 @@ def route(direction: optax.GradientTransformation, learning_rate, *,
   _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
   _checks.check_range("adam_b2", adam_b2, 0.0, 1.0)
   _checks.check_range("adam_eps", adam_eps, 0.0, np.inf)
-  muon_chain = optax.chain(direction, muon_step) if muon_step else (
+  muon_chain = (
+    optax.chain(direction, muon_step)
+    if muon_step
+    else (
       optax.chain(
-          direction,
-          optax.add_decayed_weights(weight_decay, _mask_by_path(
-              "weight_decay_mask", weight_decay_mask)),
-          optax.scale_by_learning_rate(learning_rate)))
-  scalar_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
-  scalar_mask = (matrices_only if adam_weight_decay_mask is None else
-                 _mask_by_path("adam_weight_decay_mask",
-                               adam_weight_decay_mask))
+        direction,
+        optax.add_decayed_weights(
+          weight_decay, _mask_by_path("weight_decay_mask", weight_decay_mask)
+        ),
+        optax.scale_by_learning_rate(learning_rate),
+      )
+    )
+  )
+  scalar_lr = (
+    learning_rate if adam_learning_rate is None else adam_learning_rate
+  )
+  scalar_mask = (
+    matrices_only
+    if adam_weight_decay_mask is None
+    else _mask_by_path("adam_weight_decay_mask", adam_weight_decay_mask)
+  )
   if scalar_optimizer == "adam":
-    scalar_chain = optax.adamw(scalar_lr, b1=adam_b1, b2=adam_b2, eps=adam_eps,
-                               weight_decay=adam_weight_decay, mask=scalar_mask)
+    scalar_chain = optax.adamw(
+      scalar_lr,
+      b1=adam_b1,
+      b2=adam_b2,
+      eps=adam_eps,
+      weight_decay=adam_weight_decay,
+      mask=scalar_mask,
+    )
   else:
-    scalar_chain = optax.lion(scalar_lr, b1=adam_b1, b2=adam_b2,
-                              weight_decay=adam_weight_decay, mask=scalar_mask)
+    scalar_chain = optax.lion(
+      scalar_lr,
+      b1=adam_b1,
+      b2=adam_b2,
+      weight_decay=adam_weight_decay,
+      mask=scalar_mask,
+    )
   return optax.partition(
-      {labels_lib.MUON: in_params_dtype(muon_chain),
-       labels_lib.ADAM: scalar_chain, labels_lib.NONE: optax.set_to_zero()},
-      labels_lib.label_fn(labels))
+    {
+      labels_lib.MUON: in_params_dtype(muon_chain),
+      labels_lib.ADAM: scalar_chain,
+      labels_lib.NONE: optax.set_to_zero(),
+    },
+    labels_lib.label_fn(labels),
+  )

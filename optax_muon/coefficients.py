@@ -11,7 +11,8 @@ The values are those of NVIDIA emerging-optimizers 0.3.0 (the implementation
 behind Megatron-Core and verl), copied here so that a clone needs nothing else.
 """
 
-from typing import NamedTuple, Sequence, Union
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from optax_muon import _checks
 
 class CoefficientSet(NamedTuple):
   """A named schedule: its ``(a, b, c)`` tuples, mode and origin."""
+
   tuples: tuple[tuple[float, float, float], ...]
   mode: str
   source: str
@@ -28,56 +30,79 @@ class CoefficientSet(NamedTuple):
 _SIMPLE = (3.4445, -4.775, 2.0315)
 
 COEFFICIENT_SETS: dict[str, CoefficientSet] = {
-    "simple": CoefficientSet(
-        (_SIMPLE,), "cycle",
-        "Keller Jordan Muon; optax 'standard'; emerging-optimizers 'simple'"),
-    "quintic": CoefficientSet(
-        ((4.0848, -6.8946, 2.927),
-         (3.9505, -6.3029, 2.6377),
-         (3.7418, -5.5913, 2.3037),
-         (2.8769, -3.1427, 1.2046),
-         (2.8366, -3.0525, 1.2012)), "cycle",
-        "You Jiacheng / leloykun; emerging-optimizers default; optax 'dion'"),
-    "polar_express": CoefficientSet(
-        ((8.2051, -22.9019, 16.4607),
-         (4.0664, -2.8612, 0.5184),
-         (3.9096, -2.8234, 0.525),
-         (3.2856, -2.4153, 0.4853),
-         (2.2779, -1.6198, 0.3985),
-         (1.8726, -1.2307, 0.3585),
-         (1.8564, -1.2132, 0.3568),
-         (1.875, -1.25, 0.375)), "repeat_last",
-        "Amsel et al. 2025 (arXiv 2505.16932), safety factor 1.01 folded in"),
-    "cans": CoefficientSet(
-        ((8.4703, -25.1081, 18.6293),
-         (4.1828, -3.1087, 0.5806),
-         (3.9619, -2.9541, 0.563),
-         (3.2866, -2.4647, 0.5074),
-         (2.2737, -1.6447, 0.4162)), "repeat_last",
-        "Grishina et al. 2025 (arXiv 2506.10935)"),
-    "aol": CoefficientSet(
-        ((4.0098, -7.0585, 2.4635),
-         (3.4585, -5.5479, 2.5959),
-         (2.7573, -3.2939, 1.4254),
-         (2.7215, -3.0494, 1.3169)), "cycle",
-        "Turbo-Muon coefficients as shipped by emerging-optimizers"),
-    "deepseekv4": CoefficientSet(
-        (_SIMPLE,) * 8 + ((2.0, -1.5, 0.5),) * 2, "repeat_last",
-        "DeepSeek-V4; at 5 steps identical to 'simple'"),
-    "cubic5": CoefficientSet(
-        ((3.3656576, -3.3420992, 0.0),
-         (2.5744352, -1.4957376, 0.0),
-         (2.5368962, -1.431257, 0.0),
-         (2.4418906, -1.276404, 0.0),
-         (2.2230472, -0.963065, 0.0)), "cycle",
-        "relaxed cubic (arXiv 2606.00371); c = 0 skips the A·A product"),
+  "simple": CoefficientSet(
+    (_SIMPLE,),
+    "cycle",
+    "Keller Jordan Muon; optax 'standard'; emerging-optimizers 'simple'",
+  ),
+  "quintic": CoefficientSet(
+    (
+      (4.0848, -6.8946, 2.927),
+      (3.9505, -6.3029, 2.6377),
+      (3.7418, -5.5913, 2.3037),
+      (2.8769, -3.1427, 1.2046),
+      (2.8366, -3.0525, 1.2012),
+    ),
+    "cycle",
+    "You Jiacheng / leloykun; emerging-optimizers default; optax 'dion'",
+  ),
+  "polar_express": CoefficientSet(
+    (
+      (8.2051, -22.9019, 16.4607),
+      (4.0664, -2.8612, 0.5184),
+      (3.9096, -2.8234, 0.525),
+      (3.2856, -2.4153, 0.4853),
+      (2.2779, -1.6198, 0.3985),
+      (1.8726, -1.2307, 0.3585),
+      (1.8564, -1.2132, 0.3568),
+      (1.875, -1.25, 0.375),
+    ),
+    "repeat_last",
+    "Amsel et al. 2025 (arXiv 2505.16932), safety factor 1.01 folded in",
+  ),
+  "cans": CoefficientSet(
+    (
+      (8.4703, -25.1081, 18.6293),
+      (4.1828, -3.1087, 0.5806),
+      (3.9619, -2.9541, 0.563),
+      (3.2866, -2.4647, 0.5074),
+      (2.2737, -1.6447, 0.4162),
+    ),
+    "repeat_last",
+    "Grishina et al. 2025 (arXiv 2506.10935)",
+  ),
+  "aol": CoefficientSet(
+    (
+      (4.0098, -7.0585, 2.4635),
+      (3.4585, -5.5479, 2.5959),
+      (2.7573, -3.2939, 1.4254),
+      (2.7215, -3.0494, 1.3169),
+    ),
+    "cycle",
+    "Turbo-Muon coefficients as shipped by emerging-optimizers",
+  ),
+  "deepseekv4": CoefficientSet(
+    (_SIMPLE,) * 8 + ((2.0, -1.5, 0.5),) * 2,
+    "repeat_last",
+    "DeepSeek-V4; at 5 steps identical to 'simple'",
+  ),
+  "cubic5": CoefficientSet(
+    (
+      (3.3656576, -3.3420992, 0.0),
+      (2.5744352, -1.4957376, 0.0),
+      (2.5368962, -1.431257, 0.0),
+      (2.4418906, -1.276404, 0.0),
+      (2.2230472, -0.963065, 0.0),
+    ),
+    "cycle",
+    "relaxed cubic (arXiv 2606.00371); c = 0 skips the A·A product",
+  ),
 }
 
 DEFAULT_COEFFICIENTS = "quintic"
 SCHEDULE_MODES = ("cycle", "repeat_last")
 
-Coefficients = Union[str, Sequence[Sequence[float]], Sequence[float],
-                     np.ndarray]
+Coefficients = str | Sequence[Sequence[float]] | Sequence[float] | np.ndarray
 
 
 def resolve_coefficients(coefficients: Coefficients) -> tuple[np.ndarray, str]:
@@ -96,22 +121,25 @@ def resolve_coefficients(coefficients: Coefficients) -> tuple[np.ndarray, str]:
   if isinstance(coefficients, str):
     if coefficients not in COEFFICIENT_SETS:
       raise ValueError(
-          f"coefficients={coefficients!r} is not a known schedule; accepted "
-          f"names: {sorted(COEFFICIENT_SETS)}, or a list of (a, b, c) tuples.")
+        f"coefficients={coefficients!r} is not a known schedule; accepted "
+        f"names: {sorted(COEFFICIENT_SETS)}, or a list of (a, b, c) tuples."
+      )
     named = COEFFICIENT_SETS[coefficients]
     return np.asarray(named.tuples, np.float64), named.mode
   try:
     table = np.asarray(coefficients, np.float64)
   except (TypeError, ValueError) as error:
     raise ValueError(
-        f"coefficients must be a name in {sorted(COEFFICIENT_SETS)} or a list "
-        f"of (a, b, c) tuples, got {coefficients!r}") from error
+      f"coefficients must be a name in {sorted(COEFFICIENT_SETS)} or a list "
+      f"of (a, b, c) tuples, got {coefficients!r}"
+    ) from error
   if table.ndim == 1:
     table = table[None]
   if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0:
     raise ValueError(
-        "coefficients as a custom schedule must be (a, b, c) or a non-empty "
-        f"list of (a, b, c) tuples, got shape {np.shape(coefficients)}")
+      "coefficients as a custom schedule must be (a, b, c) or a non-empty "
+      f"list of (a, b, c) tuples, got shape {np.shape(coefficients)}"
+    )
   if not np.all(np.isfinite(table)):
     raise ValueError(f"coefficients must be finite, got {table.tolist()}")
   return table, "cycle"

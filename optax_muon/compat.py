@@ -24,7 +24,8 @@ Deliberate differences, each a case where optax loses information:
   first step uses ``X Xᵀ``, which is not the polar iteration for them).
 """
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,7 @@ from optax_muon import coefficients as coefficients_lib
 from optax_muon import layout
 from optax_muon import scaling
 from optax_muon import sharding as sharding_lib
+
 # by name: the package's namespace binds these module names to functions
 from optax_muon.momentum import BiasCorrectedMomentumState
 from optax_muon.momentum import canonical_dtype
@@ -49,13 +51,19 @@ from optax_muon.orthogonalize import orthogonalize as orthogonalize_transform
 OPTAX_VERSION = "0.2.8"
 
 NS_COEFFS_PRESETS = {
-    "standard": coefficients_lib.COEFFICIENT_SETS["simple"].tuples[0],
-    "dion": coefficients_lib.COEFFICIENT_SETS["quintic"].tuples,
+  "standard": coefficients_lib.COEFFICIENT_SETS["simple"].tuples[0],
+  "dion": coefficients_lib.COEFFICIENT_SETS["quintic"].tuples,
 }
 _DEFAULT_NS_COEFFS = NS_COEFFS_PRESETS["standard"]
 
-__all__ = ("MuonDimensionNumbers", "MuonState", "muon",
-           "orthogonalize_via_newton_schulz", "scale_by_muon", "scale_by_shape")
+__all__ = (
+  "MuonDimensionNumbers",
+  "MuonState",
+  "muon",
+  "orthogonalize_via_newton_schulz",
+  "scale_by_muon",
+  "scale_by_shape",
+)
 
 _is_dims = lambda x: isinstance(x, MuonDimensionNumbers)
 
@@ -63,13 +71,17 @@ _is_dims = lambda x: isinstance(x, MuonDimensionNumbers)
 def _coefficient_table(ns_coeffs):
   """``ns_coeffs`` as an fp32 ``(3,)`` or ``(n, 3)`` array (a traced one, from
   a state, as it is)."""
-  rows = ns_coeffs if _checks.is_traced(ns_coeffs) else np.asarray(
-      ns_coeffs, np.float32)
+  rows = (
+    ns_coeffs
+    if _checks.is_traced(ns_coeffs)
+    else np.asarray(ns_coeffs, np.float32)
+  )
   if rows.ndim not in (1, 2) or rows.shape[-1] != 3:
     raise ValueError(
-        f"ns_coeffs must have shape (3,) or (n, 3), got {rows.shape}; "
-        f"accepted: one (a, b, c), a list of them, or a preset in "
-        f"{sorted(NS_COEFFS_PRESETS)}")
+      f"ns_coeffs must have shape (3,) or (n, 3), got {rows.shape}; "
+      f"accepted: one (a, b, c), a list of them, or a preset in "
+      f"{sorted(NS_COEFFS_PRESETS)}"
+    )
   return rows
 
 
@@ -84,8 +96,10 @@ def _coefficient_rows(ns_coeffs, ns_steps) -> tuple[np.ndarray, Any]:
     return rows, ns_steps
   _checks.check_int("ns_steps", ns_steps, minimum=1)
   if rows.shape[0] > ns_steps:
-    raise ValueError(f"ns_coeffs has {rows.shape[0]} rows, more than "
-                     f"ns_steps={ns_steps}; give at most ns_steps rows")
+    raise ValueError(
+      f"ns_coeffs has {rows.shape[0]} rows, more than "
+      f"ns_steps={ns_steps}; give at most ns_steps rows"
+    )
   return rows, rows.shape[0]
 
 
@@ -100,16 +114,23 @@ def _check_muon_leaves(dims, tree):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
       if jnp.ndim(leaf) != 2:
         raise ValueError(
-            f"leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}; "
-            "without weight_dimension_numbers every Muon leaf must be 2-D "
-            "(give a MuonDimensionNumbers for it)")
+          f"leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}; "
+          "without weight_dimension_numbers every Muon leaf must be 2-D "
+          "(give a MuonDimensionNumbers for it)"
+        )
 
 
 def orthogonalize_via_newton_schulz(
-    x: jax.Array, ns_coeffs: jax.Array, ns_steps=5,
-    preconditioning: str = "frobenius", eps=1e-8,
-    dimension_numbers: MuonDimensionNumbers | None = None, *,
-    method: str = "standard", precision: str = "high") -> jax.Array:
+  x: jax.Array,
+  ns_coeffs: jax.Array,
+  ns_steps=5,
+  preconditioning: str = "frobenius",
+  eps=1e-8,
+  dimension_numbers: MuonDimensionNumbers | None = None,
+  *,
+  method: str = "standard",
+  precision: str = "high",
+) -> jax.Array:
   r"""``optax.contrib.orthogonalize_via_newton_schulz`` on optax_muon's kernel.
 
   Each matrix of ``x`` (``dimension_numbers`` say which axes; the others are
@@ -134,24 +155,41 @@ def orthogonalize_via_newton_schulz(
   """
   if x.ndim != 2 and not _is_dims(dimension_numbers):
     raise ValueError(
-        "Input must have shape (m, n) or weight dimension numbers must be "
-        f"provided. Got shape={x.shape} and {dimension_numbers=}.")
+      "Input must have shape (m, n) or weight dimension numbers must be "
+      f"provided. Got shape={x.shape} and {dimension_numbers=}."
+    )
   _checks.check_choice("preconditioning", preconditioning, PRECONDITIONINGS)
   rows = _coefficient_table(ns_coeffs)
   steps = ns_steps if rows.ndim == 1 else rows.shape[0]
   view = layout.matrix_view(x.shape, dimension_numbers if x.ndim != 2 else None)
   out = _orthogonalize_grouped(
-      view.to_matrices(x), rows.reshape(-1, 3), "cycle", steps, precision, eps,
-      preconditioning, add_eps=True, method=method)
+    view.to_matrices(x),
+    rows.reshape(-1, 3),
+    "cycle",
+    steps,
+    precision,
+    eps,
+    preconditioning,
+    add_eps=True,
+    method=method,
+  )
   return view.from_matrices(out)
 
 
 def scale_by_muon(
-    ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps=5, beta=0.95, eps=1e-8,
-    mu_dtype=None, *, nesterov: bool = True, adaptive: bool = False,
-    preconditioning: str = "frobenius", weight_dimension_numbers=None,
-    sharding: sharding_lib.TensorParallel | None = None,
-    method: str = "standard", precision: str = "high",
+  ns_coeffs=_DEFAULT_NS_COEFFS,
+  ns_steps=5,
+  beta=0.95,
+  eps=1e-8,
+  mu_dtype=None,
+  *,
+  nesterov: bool = True,
+  adaptive: bool = False,
+  preconditioning: str = "frobenius",
+  weight_dimension_numbers=None,
+  sharding: sharding_lib.TensorParallel | None = None,
+  method: str = "standard",
+  precision: str = "high",
 ) -> optax.GradientTransformation:
   r"""``optax.contrib.scale_by_muon``: bias-corrected momentum, orthogonalized.
 
@@ -195,36 +233,50 @@ def scale_by_muon(
   canonical_dtype("mu_dtype", mu_dtype)
   if not isinstance(adaptive, bool):
     raise TypeError(f"adaptive must be a bool, got {adaptive!r}")
-  momentum = momentum_transform(beta, nesterov=nesterov, dtype=mu_dtype,
-                                   bias_correction=True)
+  momentum = momentum_transform(
+    beta, nesterov=nesterov, dtype=mu_dtype, bias_correction=True
+  )
   orthogonalize = orthogonalize_transform(
-      coefficients=rows, steps=steps, precision=precision, method=method,
-      dimension_numbers=weight_dimension_numbers, sharding=sharding, eps=eps,
-      preconditioning=preconditioning, add_eps=True)
+    coefficients=rows,
+    steps=steps,
+    precision=precision,
+    method=method,
+    dimension_numbers=weight_dimension_numbers,
+    sharding=sharding,
+    eps=eps,
+    preconditioning=preconditioning,
+    add_eps=True,
+  )
 
   def init_fn(params):
     _check_muon_leaves(_resolve(weight_dimension_numbers, params), params)
     orthogonalize.init(params)
     state = momentum.init(params)
-    return MuonState(count=state.count, mu=state.mu,
-                     ns_coeffs=jnp.asarray(rows))
+    return MuonState(
+      count=state.count, mu=state.mu, ns_coeffs=jnp.asarray(rows)
+    )
 
   def update_fn(updates, state, params=None):
     del params
     direction, moved = momentum.update(
-        updates, BiasCorrectedMomentumState(state.count, state.mu))
+      updates, BiasCorrectedMomentumState(state.count, state.mu)
+    )
     out, _ = orthogonalize.update(direction, optax.EmptyState())
     if adaptive:
       out = jax.tree.map(lambda u, o: jnp.sum(u.conj() * o) * o, direction, out)
-    return out, MuonState(count=moved.count, mu=moved.mu,
-                          ns_coeffs=state.ns_coeffs)
+    return out, MuonState(
+      count=moved.count, mu=moved.mu, ns_coeffs=state.ns_coeffs
+    )
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def scale_by_shape(weight_dimension_numbers=None, consistent_rms=None, *,
-                   sharding: sharding_lib.TensorParallel | None = None
-                   ) -> optax.GradientTransformation:
+def scale_by_shape(
+  weight_dimension_numbers=None,
+  consistent_rms=None,
+  *,
+  sharding: sharding_lib.TensorParallel | None = None,
+) -> optax.GradientTransformation:
   r"""``optax.contrib.scale_by_shape``: ``√max(1, fan_out/fan_in)``, or with
   ``consistent_rms = r``: ``r √max(fan_in, fan_out)`` (Liu et al.).
 
@@ -238,8 +290,10 @@ def scale_by_shape(weight_dimension_numbers=None, consistent_rms=None, *,
     A stateless ``optax.GradientTransformation``.
   """
   by_shape = scaling.scale_by_shape(
-      "shape_scaling" if consistent_rms is None else "spectral",
-      dimension_numbers=weight_dimension_numbers, sharding=sharding)
+    "shape_scaling" if consistent_rms is None else "spectral",
+    dimension_numbers=weight_dimension_numbers,
+    sharding=sharding,
+  )
 
   def update_fn(updates, state, params=None):
     updates, state = by_shape.update(updates, state, params)
@@ -263,43 +317,48 @@ def _labels_and_dims(dims_or_fn):
     Adam leaves are masked out, so only dims remain."""
     if dims_or_fn is None:
       return jax.tree.map(
-          lambda x: MuonDimensionNumbers() if x.ndim == 2 else None, params)
+        lambda x: MuonDimensionNumbers() if x.ndim == 2 else None, params
+      )
     return jax.tree.map(
-        lambda d, sub: jax.tree.map(lambda _: d, sub),
-        _resolve(dims_or_fn, params), params,
-        is_leaf=lambda x: x is None or _is_dims(x))
+      lambda d, sub: jax.tree.map(lambda _: d, sub),
+      _resolve(dims_or_fn, params),
+      params,
+      is_leaf=lambda x: x is None or _is_dims(x),
+    )
 
   def labels(params):
-    return jax.tree.map(lambda d: "adam" if d is None else "muon",
-                        muon_dims(params),
-                        is_leaf=lambda x: x is None or _is_dims(x))
+    return jax.tree.map(
+      lambda d: "adam" if d is None else "muon",
+      muon_dims(params),
+      is_leaf=lambda x: x is None or _is_dims(x),
+    )
 
   return labels, muon_dims
 
 
 def muon(
-    learning_rate: optax.ScalarOrSchedule,
-    ns_coeffs=_DEFAULT_NS_COEFFS,
-    ns_steps=5,
-    beta=0.95,
-    eps=1e-8,
-    weight_decay=0.0,
-    weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
-    mu_dtype=None,
-    *,
-    nesterov: bool = True,
-    adaptive: bool = False,
-    preconditioning: str = "frobenius",
-    adam_b1=0.9,
-    adam_b2=0.999,
-    adam_eps_root=0.0,
-    adam_weight_decay=0.0,
-    adam_learning_rate: optax.ScalarOrSchedule | None = None,
-    muon_weight_dimension_numbers=None,
-    consistent_rms=None,
-    sharding: sharding_lib.TensorParallel | None = None,
-    method: str = "standard",
-    precision: str = "high",
+  learning_rate: optax.ScalarOrSchedule,
+  ns_coeffs=_DEFAULT_NS_COEFFS,
+  ns_steps=5,
+  beta=0.95,
+  eps=1e-8,
+  weight_decay=0.0,
+  weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
+  mu_dtype=None,
+  *,
+  nesterov: bool = True,
+  adaptive: bool = False,
+  preconditioning: str = "frobenius",
+  adam_b1=0.9,
+  adam_b2=0.999,
+  adam_eps_root=0.0,
+  adam_weight_decay=0.0,
+  adam_learning_rate: optax.ScalarOrSchedule | None = None,
+  muon_weight_dimension_numbers=None,
+  consistent_rms=None,
+  sharding: sharding_lib.TensorParallel | None = None,
+  method: str = "standard",
+  precision: str = "high",
 ) -> optax.GradientTransformation:
   r"""``optax.contrib.muon`` (optax 0.2.8), built on optax_muon.
 
@@ -350,27 +409,45 @@ def muon(
   """
   if isinstance(ns_coeffs, str):
     if ns_coeffs not in NS_COEFFS_PRESETS:
-      raise ValueError(f"ns_coeffs={ns_coeffs!r} is not a preset; accepted: "
-                       f"{sorted(NS_COEFFS_PRESETS)} or (a, b, c) tuples")
+      raise ValueError(
+        f"ns_coeffs={ns_coeffs!r} is not a preset; accepted: "
+        f"{sorted(NS_COEFFS_PRESETS)} or (a, b, c) tuples"
+      )
     ns_coeffs = NS_COEFFS_PRESETS[ns_coeffs]
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
   labels, muon_dims = _labels_and_dims(muon_weight_dimension_numbers)
   return optax.partition(
-      transforms={
-          "muon": optax.chain(
-              scale_by_muon(
-                  ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov,
-                  adaptive=adaptive, preconditioning=preconditioning,
-                  weight_dimension_numbers=muon_dims, sharding=sharding,
-                  method=method, precision=precision),
-              scale_by_shape(muon_dims, consistent_rms, sharding=sharding),
-              optax.add_decayed_weights(weight_decay, weight_decay_mask),
-              optax.scale_by_learning_rate(learning_rate),
-          ),
-          "adam": optax.adamw(
-              learning_rate=adam_learning_rate, b1=adam_b1, b2=adam_b2,
-              eps=eps, eps_root=adam_eps_root, weight_decay=adam_weight_decay,
-              mu_dtype=mu_dtype, nesterov=nesterov),
-      },
-      param_labels=labels)
+    transforms={
+      "muon": optax.chain(
+        scale_by_muon(
+          ns_coeffs,
+          ns_steps,
+          beta,
+          eps,
+          mu_dtype,
+          nesterov=nesterov,
+          adaptive=adaptive,
+          preconditioning=preconditioning,
+          weight_dimension_numbers=muon_dims,
+          sharding=sharding,
+          method=method,
+          precision=precision,
+        ),
+        scale_by_shape(muon_dims, consistent_rms, sharding=sharding),
+        optax.add_decayed_weights(weight_decay, weight_decay_mask),
+        optax.scale_by_learning_rate(learning_rate),
+      ),
+      "adam": optax.adamw(
+        learning_rate=adam_learning_rate,
+        b1=adam_b1,
+        b2=adam_b2,
+        eps=eps,
+        eps_root=adam_eps_root,
+        weight_decay=adam_weight_decay,
+        mu_dtype=mu_dtype,
+        nesterov=nesterov,
+      ),
+    },
+    param_labels=labels,
+  )

@@ -14,7 +14,9 @@ import math
 import types
 import typing
 import warnings
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import optax
@@ -83,6 +85,7 @@ class MuonConfig:
     adaptive_muon_beta2: the second moment's decay, [0, 1).
     adaptive_muon_eps: the second moment's eps, >= 0.
   """
+
   optimizer: str = "adam"
   lr: float = 1e-6
   adam_lr: float | None = None
@@ -114,15 +117,20 @@ class MuonConfig:
   def __post_init__(self):
     hints = typing.get_type_hints(type(self))
     for field in dataclasses.fields(self):
-      object.__setattr__(self, field.name, _coerce(
-          field.name, getattr(self, field.name), hints[field.name]))
+      object.__setattr__(
+        self,
+        field.name,
+        _coerce(field.name, getattr(self, field.name), hints[field.name]),
+      )
     choices = {
-        "optimizer": OPTIMIZERS, "muon_scale_mode": scaling.SCALE_MODES,
-        "muon_coefficient_type": tuple(coefficients.COEFFICIENT_SETS),
-        "muon_fp32_matmul_prec": newton_schulz.PRECISIONS,
-        "muon_scalar_optimizer": alias.SCALAR_OPTIMIZERS,
-        "muon_momentum_style": momentum.MOMENTUM_STYLES,
-        "adaptive_muon_moment2_method": adaptive.MOMENT2_METHODS}
+      "optimizer": OPTIMIZERS,
+      "muon_scale_mode": scaling.SCALE_MODES,
+      "muon_coefficient_type": tuple(coefficients.COEFFICIENT_SETS),
+      "muon_fp32_matmul_prec": newton_schulz.PRECISIONS,
+      "muon_scalar_optimizer": alias.SCALAR_OPTIMIZERS,
+      "muon_momentum_style": momentum.MOMENTUM_STYLES,
+      "adaptive_muon_moment2_method": adaptive.MOMENT2_METHODS,
+    }
     for name, accepted in choices.items():
       _checks.check_choice(name, getattr(self, name), accepted)
     if self.muon_tp_mode is not None:
@@ -132,29 +140,37 @@ class MuonConfig:
     if self.adam_lr is not None:
       _checks.check_range("adam_lr", self.adam_lr, 0.0, math.inf)
       if self.lr == 0:
-        raise ValueError(f"adam_lr={self.adam_lr} is applied as adam_lr / lr "
-                         "times build()'s schedule and needs lr > 0; got lr=0")
+        raise ValueError(
+          f"adam_lr={self.adam_lr} is applied as adam_lr / lr "
+          "times build()'s schedule and needs lr > 0; got lr=0"
+        )
     if self.muon_extra_scale_factor is not None:
-      _checks.check_positive("muon_extra_scale_factor",
-                             self.muon_extra_scale_factor)
+      _checks.check_positive(
+        "muon_extra_scale_factor", self.muon_extra_scale_factor
+      )
     for i, beta in enumerate(self.betas):
       _checks.check_range(f"betas[{i}]", beta, 0.0, 1.0)
     _checks.check_range("muon_momentum", self.muon_momentum, 0.0, 1.0)
-    _checks.check_range("adaptive_muon_beta2", self.adaptive_muon_beta2, 0.0,
-                        1.0)
-    _checks.check_range("adaptive_muon_eps", self.adaptive_muon_eps, 0.0,
-                        math.inf)
+    _checks.check_range(
+      "adaptive_muon_beta2", self.adaptive_muon_beta2, 0.0, 1.0
+    )
+    _checks.check_range(
+      "adaptive_muon_eps", self.adaptive_muon_eps, 0.0, math.inf
+    )
     _checks.check_int("muon_num_ns_steps", self.muon_num_ns_steps, minimum=1)
     _checks.check_positive("qk_clip_threshold", self.qk_clip_threshold)
     if not 0.0 <= self.qk_clip_alpha <= 1.0:
-      raise ValueError(f"qk_clip_alpha must be in [0, 1], got "
-                       f"{self.qk_clip_alpha!r}")
-    if self.muon_match_adamw_update_rms and (
-        self.muon_extra_scale_factor is not None):
       raise ValueError(
-          "muon_match_adamw_update_rms=True derives muon_extra_scale_factor "
-          f"from betas[0], but muon_extra_scale_factor="
-          f"{self.muon_extra_scale_factor} was also set; set exactly one")
+        f"qk_clip_alpha must be in [0, 1], got {self.qk_clip_alpha!r}"
+      )
+    if self.muon_match_adamw_update_rms and (
+      self.muon_extra_scale_factor is not None
+    ):
+      raise ValueError(
+        "muon_match_adamw_update_rms=True derives muon_extra_scale_factor "
+        f"from betas[0], but muon_extra_scale_factor="
+        f"{self.muon_extra_scale_factor} was also set; set exactly one"
+      )
 
   @classmethod
   def field_names(cls) -> tuple[str, ...]:
@@ -172,12 +188,18 @@ class MuonConfig:
     fields = parse_fields(cls, values)
     config = cls(**fields)
     defaults = cls()
-    ignored = sorted(n for n in fields if n.startswith(
-        ("muon_", "adam_lr", "adaptive_muon_"))
-                     and getattr(config, n) != getattr(defaults, n))
+    ignored = sorted(
+      n
+      for n in fields
+      if n.startswith(("muon_", "adam_lr", "adaptive_muon_"))
+      and getattr(config, n) != getattr(defaults, n)
+    )
     if config.optimizer == "adam" and ignored:
-      warnings.warn(f"optimizer='adam' ignores the fields that were set: "
-                    f"{ignored}; set optimizer=muon to use them", stacklevel=2)
+      warnings.warn(
+        f"optimizer='adam' ignores the fields that were set: "
+        f"{ignored}; set optimizer=muon to use them",
+        stacklevel=2,
+      )
     return config
 
   @classmethod
@@ -200,11 +222,21 @@ class MuonConfig:
     """``muon_tp_mode``, or Megatron's ``"blockwise"`` when unset."""
     return self.muon_tp_mode or "blockwise"
 
-  def build(self, learning_rate=None, *, params=None, mesh=None,
-            split_qkv: layout_lib.SplitQKV | None = None, labels=None,
-            specs=None, attention=None, layout=None, dimension_numbers=None,
-            tp_axis: str = "model", split_gate_up=None
-            ) -> optax.GradientTransformation:
+  def build(
+    self,
+    learning_rate=None,
+    *,
+    params=None,
+    mesh=None,
+    split_qkv: layout_lib.SplitQKV | None = None,
+    labels=None,
+    specs=None,
+    attention=None,
+    layout=None,
+    dimension_numbers=None,
+    tp_axis: str = "model",
+    split_gate_up=None,
+  ) -> optax.GradientTransformation:
     """The optimizer: global-norm clip, then AdamW or Muon + AdamW, then
     QK-clip when ``qk_clip``.
 
@@ -237,73 +269,120 @@ class MuonConfig:
     lr = self.lr if learning_rate is None else learning_rate
     b1, b2 = self.betas
     decay_mask = alias.matrices_only
-    clip = ([optax.clip_by_global_norm(self.clip_grad)] if self.clip_grad > 0
-            else [])
+    clip = (
+      [optax.clip_by_global_norm(self.clip_grad)] if self.clip_grad > 0 else []
+    )
     if self.qk_clip and attention is None:
-      raise ValueError("qk_clip=True needs build(..., attention={layer: "
-                       "{'q': path, 'k': path, ...} or {'qkv': path, "
-                       "'split_qkv': SplitQKV(...)}}) to find the kernels")
-    clip_logits = ([qk_clip_lib.qk_clip(self.qk_clip_threshold,
-                                        self.qk_clip_alpha, attention=attention)]
-                   if self.qk_clip else [])
+      raise ValueError(
+        "qk_clip=True needs build(..., attention={layer: "
+        "{'q': path, 'k': path, ...} or {'qkv': path, "
+        "'split_qkv': SplitQKV(...)}}) to find the kernels"
+      )
+    clip_logits = (
+      [
+        qk_clip_lib.qk_clip(
+          self.qk_clip_threshold, self.qk_clip_alpha, attention=attention
+        )
+      ]
+      if self.qk_clip
+      else []
+    )
     if self.optimizer == "adam":
-      return optax.chain(*clip, optax.adamw(
-          lr, b1=b1, b2=b2, eps=self.eps, weight_decay=self.weight_decay,
-          mask=decay_mask), *clip_logits)
+      return optax.chain(
+        *clip,
+        optax.adamw(
+          lr,
+          b1=b1,
+          b2=b2,
+          eps=self.eps,
+          weight_decay=self.weight_decay,
+          mask=decay_mask,
+        ),
+        *clip_logits,
+      )
     sharding = None
     if mesh is not None:
       axes = list(mesh.axis_names)
       if tp_axis not in axes:
-        raise ValueError(f"tp_axis={tp_axis!r} is not an axis of the mesh; "
-                         f"accepted values: {axes}")
+        raise ValueError(
+          f"tp_axis={tp_axis!r} is not an axis of the mesh; "
+          f"accepted values: {axes}"
+        )
       distribute = None
       if self.use_layer_wise_distributed_optimizer:
         if "data" not in axes:
-          raise ValueError("use_layer_wise_distributed_optimizer=True needs a "
-                           f"mesh axis named 'data'; the mesh has {axes}")
+          raise ValueError(
+            "use_layer_wise_distributed_optimizer=True needs a "
+            f"mesh axis named 'data'; the mesh has {axes}"
+          )
         distribute = "data"
       sharding = sharding_lib.TensorParallel(
-          mesh, tp_axis, self.tp_mode, specs=specs,
-          distribute_over=distribute)
+        mesh, tp_axis, self.tp_mode, specs=specs, distribute_over=distribute
+      )
     elif self.use_layer_wise_distributed_optimizer:
-      raise ValueError("use_layer_wise_distributed_optimizer=True needs a mesh "
-                       "with a 'data' axis: pass build(..., mesh=mesh)")
+      raise ValueError(
+        "use_layer_wise_distributed_optimizer=True needs a mesh "
+        "with a 'data' axis: pass build(..., mesh=mesh)"
+      )
     elif self.muon_tp_mode is not None:
       raise ValueError(
-          f"muon_tp_mode={self.muon_tp_mode!r} is set but build() got no "
-          "mesh; pass build(..., mesh=mesh) or leave muon_tp_mode unset")
+        f"muon_tp_mode={self.muon_tp_mode!r} is set but build() got no "
+        "mesh; pass build(..., mesh=mesh) or leave muon_tp_mode unset"
+      )
     adam_lr = None
     if self.adam_lr is not None:
       ratio = self.adam_lr / self.lr
-      adam_lr = ((lambda count: lr(count) * ratio) if callable(lr)
-                 else lr * ratio)
+      adam_lr = (
+        (lambda count: lr(count) * ratio) if callable(lr) else lr * ratio
+      )
     split = split_qkv if self.muon_split_qkv else None
     check_split = self.muon_split_qkv and split is None
     if check_split and params is not None:
       _check_no_fused_qkv(params)
     if self.optimizer == "adaptive_muon":
       optimizer = functools.partial(
-          adaptive.adaptive_muon,
-          moment2_method=self.adaptive_muon_moment2_method,
-          beta2=self.adaptive_muon_beta2, moment2_eps=self.adaptive_muon_eps)
+        adaptive.adaptive_muon,
+        moment2_method=self.adaptive_muon_moment2_method,
+        beta2=self.adaptive_muon_beta2,
+        moment2_eps=self.adaptive_muon_eps,
+      )
     else:
       optimizer = alias.muon
-    tx = optax.chain(*clip, optimizer(
-        lr, beta=self.muon_momentum, nesterov=self.muon_nesterov,
+    tx = optax.chain(
+      *clip,
+      optimizer(
+        lr,
+        beta=self.muon_momentum,
+        nesterov=self.muon_nesterov,
         momentum_style=self.muon_momentum_style,
-        coefficients=self.muon_coefficient_type, steps=self.muon_num_ns_steps,
-        precision=self.muon_fp32_matmul_prec, scale_mode=self.muon_scale_mode,
+        coefficients=self.muon_coefficient_type,
+        steps=self.muon_num_ns_steps,
+        precision=self.muon_fp32_matmul_prec,
+        scale_mode=self.muon_scale_mode,
         extra_scale_factor=self.muon_extra_scale_factor,
         match_adamw_update_rms=self.muon_match_adamw_update_rms,
-        split_qkv=split, sharding=sharding, weight_decay=self.weight_decay,
-        split_gate_up=((split_gate_up or layout_lib.SplitGateUp())
-                       if self.muon_split_gate_up else None),
-        weight_decay_mask=decay_mask, labels=labels, layout=layout,
+        split_qkv=split,
+        sharding=sharding,
+        weight_decay=self.weight_decay,
+        split_gate_up=(
+          (split_gate_up or layout_lib.SplitGateUp())
+          if self.muon_split_gate_up
+          else None
+        ),
+        weight_decay_mask=decay_mask,
+        labels=labels,
+        layout=layout,
         dimension_numbers=dimension_numbers,
         scalar_optimizer=self.muon_scalar_optimizer,
-        adam_learning_rate=adam_lr, adam_b1=b1, adam_b2=b2,
-        adam_eps=self.eps, adam_weight_decay=self.weight_decay,
-        adam_weight_decay_mask=decay_mask), *clip_logits)
+        adam_learning_rate=adam_lr,
+        adam_b1=b1,
+        adam_b2=b2,
+        adam_eps=self.eps,
+        adam_weight_decay=self.weight_decay,
+        adam_weight_decay_mask=decay_mask,
+      ),
+      *clip_logits,
+    )
     if not check_split:
       return tx
 
@@ -318,20 +397,26 @@ def _check_no_fused_qkv(params) -> None:
   """Raises when ``SplitQKV``'s default pattern finds fused QKV matrices."""
   pattern = layout_lib.SplitQKV.pattern
   leaves, _ = _paths.leaves_with_paths(params)
-  fused = [_paths.path_string(p) for p, leaf in leaves
-           if _paths.matches([pattern], p) and jax.numpy.ndim(leaf) >= 2]
+  fused = [
+    _paths.path_string(p)
+    for p, leaf in leaves
+    if _paths.matches([pattern], p) and jax.numpy.ndim(leaf) >= 2
+  ]
   if fused:
     raise ValueError(
-        f"muon_split_qkv=True but the params have fused QKV leaves "
-        f"({fused[0]}, ...) and build() got no split_qkv=SplitQKV(...) "
-        "with their head counts; pass it or set muon_split_qkv=False")
+      f"muon_split_qkv=True but the params have fused QKV leaves "
+      f"({fused[0]}, ...) and build() got no split_qkv=SplitQKV(...) "
+      "with their head counts; pass it or set muon_split_qkv=False"
+    )
 
 
 def split_overrides(overrides: Iterable[str]) -> dict[str, str]:
   """``["a.b=1", ...]`` as ``{"a.b": "1", ...}``."""
   if isinstance(overrides, (str, bytes)):
-    raise TypeError(f"overrides must be a list of 'key=value' strings, got the "
-                    f"single string {overrides!r}; wrap it in a list")
+    raise TypeError(
+      f"overrides must be a list of 'key=value' strings, got the "
+      f"single string {overrides!r}; wrap it in a list"
+    )
   values = {}
   for item in overrides:
     key, sep, value = item.partition("=")
@@ -352,8 +437,10 @@ def parse_fields(cls, values: Mapping[str, Any]) -> dict[str, Any]:
     if name not in known:
       raise ValueError(f"unknown field {key!r}; accepted fields: {known}")
     if name in keys and keys[name] != key:
-      raise ValueError(f"field {name!r} is set twice, as {keys[name]!r} and "
-                       f"{key!r}; set it once")
+      raise ValueError(
+        f"field {name!r} is set twice, as {keys[name]!r} and "
+        f"{key!r}; set it once"
+      )
     keys[name] = key
     fields[name] = _coerce(name, value, hints[name])
   return fields
@@ -376,10 +463,12 @@ _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 def _coerce(name: str, value: Any, hint) -> Any:
   """``value`` as the field's type; strings are parsed, other types checked."""
   origin = typing.get_origin(hint)
-  if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(
-      hint):
-    if value is None or (isinstance(value, str) and value.lower() in (
-        "none", "null", "")):
+  if origin in (typing.Union, types.UnionType) and type(
+    None
+  ) in typing.get_args(hint):
+    if value is None or (
+      isinstance(value, str) and value.lower() in ("none", "null", "")
+    ):
       return None
     (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
     return _coerce(name, value, inner)
@@ -389,15 +478,19 @@ def _coerce(name: str, value: Any, hint) -> Any:
     if isinstance(value, bool):
       return value
     raise ValueError(f"{name}={value!r} is not a bool; accepted: true/false")
-  if value is None or (isinstance(value, str) and value.lower() in (
-      "none", "null")):
-    raise ValueError(f"{name}={value!r} is not accepted: {name} cannot be "
-                     f"unset; give a value of type {getattr(hint, '__name__', hint)}")
+  if value is None or (
+    isinstance(value, str) and value.lower() in ("none", "null")
+  ):
+    raise ValueError(
+      f"{name}={value!r} is not accepted: {name} cannot be "
+      f"unset; give a value of type {getattr(hint, '__name__', hint)}"
+    )
   if hint in (int, float):
     whole = hint is int
     try:
-      if isinstance(value, bool) or (whole and isinstance(value, float)
-                                     and not value.is_integer()):
+      if isinstance(value, bool) or (
+        whole and isinstance(value, float) and not value.is_integer()
+      ):
         raise ValueError
       return hint(value)
     except (TypeError, ValueError):
@@ -409,14 +502,17 @@ def _coerce(name: str, value: Any, hint) -> Any:
     args = typing.get_args(hint)
     if len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]: any length
       if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"{name}={value!r} must be one or more values, e.g. "
-                         "[1,2,3]")
+        raise ValueError(
+          f"{name}={value!r} must be one or more values, e.g. [1,2,3]"
+        )
       args = (args[0],) * len(value)
     if not isinstance(value, (list, tuple)) or len(value) != len(args):
-      raise ValueError(f"{name}={value!r} must be {len(args)} numbers, e.g. "
-                       "[0.9,0.999]")
-    return tuple(_coerce(f"{name}[{i}]", v, t)
-                 for i, (v, t) in enumerate(zip(value, args)))
+      raise ValueError(
+        f"{name}={value!r} must be {len(args)} numbers, e.g. [0.9,0.999]"
+      )
+    return tuple(
+      _coerce(f"{name}[{i}]", v, t) for i, (v, t) in enumerate(zip(value, args))
+    )
   if hint is str:
     if not isinstance(value, str):
       raise ValueError(f"{name}={value!r} is not a string")

@@ -20,10 +20,12 @@ def update_rms(updates):
     A tree like ``updates``: for a leaf of shape ``(..., m, n)`` an array of
     shape ``(...)``; for a vector or scalar leaf a scalar.
   """
+
   def rms(x):
     x = jnp.asarray(x, jnp.float32)
     axes = (-2, -1) if x.ndim >= 2 else None
     return jnp.sqrt(jnp.mean(jnp.square(x), axis=axes))
+
   return jax.tree.map(rms, updates)
 
 
@@ -48,14 +50,16 @@ def orthogonality_error(x):
   """
   w = _wide(x)
   k = w.shape[-2]
-  gram = jnp.matmul(w, jnp.swapaxes(w, -1, -2),
-                    precision=jax.lax.Precision.HIGHEST)
+  gram = jnp.matmul(
+    w, jnp.swapaxes(w, -1, -2), precision=jax.lax.Precision.HIGHEST
+  )
   error = gram - jnp.eye(k, dtype=gram.dtype)
   return jnp.sqrt(jnp.sum(jnp.square(error), axis=(-2, -1)) / k)
 
 
 class SingularValueSpread(NamedTuple):
   """Smallest and largest singular value of each matrix."""
+
   min: jax.Array
   max: jax.Array
 

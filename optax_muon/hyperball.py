@@ -36,8 +36,9 @@ def _norm(x: jax.Array) -> jax.Array:
   return jnp.sqrt(jnp.sum(jnp.square(x)))
 
 
-def hyperball(learning_rate, *, radius=None, eps=1e-8, weight_decay=0.0
-              ) -> optax.GradientTransformation:
+def hyperball(
+  learning_rate, *, radius=None, eps=1e-8, weight_decay=0.0
+) -> optax.GradientTransformation:
   r"""Turns Muon directions into norm-preserving steps (see the module
   docstring for the formula); the last transform of a Muon chain, in place
   of ``add_decayed_weights`` and ``scale_by_learning_rate``.
@@ -66,10 +67,12 @@ def hyperball(learning_rate, *, radius=None, eps=1e-8, weight_decay=0.0
 
   def update_fn(updates, state, params=None):
     if params is None:
-      raise ValueError("hyperball needs the params: update(updates, state, "
-                       "params)")
-    lr = learning_rate(state.count) if callable(learning_rate) else (
-        learning_rate)
+      raise ValueError(
+        "hyperball needs the params: update(updates, state, params)"
+      )
+    lr = (
+      learning_rate(state.count) if callable(learning_rate) else (learning_rate)
+    )
 
     def step(u, p):
       w = p.astype(jnp.float32)
@@ -82,19 +85,32 @@ def hyperball(learning_rate, *, radius=None, eps=1e-8, weight_decay=0.0
       w = r * w / jnp.maximum(_norm(w), eps)
       return (w - p.astype(jnp.float32)).astype(p.dtype)
 
-    return (jax.tree.map(step, updates, params),
-            HyperballState(optax.safe_increment(state.count)))
+    return (
+      jax.tree.map(step, updates, params),
+      HyperballState(optax.safe_increment(state.count)),
+    )
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def muon_hyperball(learning_rate, *, radius=None, hyperball_eps=1e-8,
-                   weight_decay=0.0, labels=None, dimension_numbers=None,
-                   layout=None, scalar_optimizer: str = "adam",
-                   adam_learning_rate=None, adam_b1=0.9, adam_b2=0.999,
-                   adam_eps=1e-8, adam_weight_decay=0.0,
-                   adam_weight_decay_mask=None, **muon_kwargs
-                   ) -> optax.GradientTransformation:
+def muon_hyperball(
+  learning_rate,
+  *,
+  radius=None,
+  hyperball_eps=1e-8,
+  weight_decay=0.0,
+  labels=None,
+  dimension_numbers=None,
+  layout=None,
+  scalar_optimizer: str = "adam",
+  adam_learning_rate=None,
+  adam_b1=0.9,
+  adam_b2=0.999,
+  adam_eps=1e-8,
+  adam_weight_decay=0.0,
+  adam_weight_decay_mask=None,
+  **muon_kwargs,
+) -> optax.GradientTransformation:
   r"""MuonHyperball for the matrices, AdamW for the rest: ``om.muon`` whose
   Muon leaves take ``hyperball`` steps (norm-preserving; see ``hyperball``).
 
@@ -114,17 +130,25 @@ def muon_hyperball(learning_rate, *, radius=None, hyperball_eps=1e-8,
   References:
     NVIDIA emerging-optimizers 0.3.0, ``MuonHyperball``
   """
-  labels, dimension_numbers = alias.from_layout(layout, labels,
-                                                dimension_numbers)
+  labels, dimension_numbers = alias.from_layout(
+    layout, labels, dimension_numbers
+  )
   muon_kwargs.setdefault("adamw_beta1", adam_b1)
-  direction = alias.scale_by_muon(dimension_numbers=dimension_numbers,
-                                  **muon_kwargs)
-  return alias.route(direction, learning_rate, labels=labels,
-                     scalar_optimizer=scalar_optimizer,
-                     adam_learning_rate=adam_learning_rate, adam_b1=adam_b1,
-                     adam_b2=adam_b2, adam_eps=adam_eps,
-                     adam_weight_decay=adam_weight_decay,
-                     adam_weight_decay_mask=adam_weight_decay_mask,
-                     muon_step=hyperball(learning_rate, radius=radius,
-                                         eps=hyperball_eps,
-                                         weight_decay=weight_decay))
+  direction = alias.scale_by_muon(
+    dimension_numbers=dimension_numbers, **muon_kwargs
+  )
+  return alias.route(
+    direction,
+    learning_rate,
+    labels=labels,
+    scalar_optimizer=scalar_optimizer,
+    adam_learning_rate=adam_learning_rate,
+    adam_b1=adam_b1,
+    adam_b2=adam_b2,
+    adam_eps=adam_eps,
+    adam_weight_decay=adam_weight_decay,
+    adam_weight_decay_mask=adam_weight_decay_mask,
+    muon_step=hyperball(
+      learning_rate, radius=radius, eps=hyperball_eps, weight_decay=weight_decay
+    ),
+  )

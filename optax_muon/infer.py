@@ -47,8 +47,9 @@ ROLES = ("matrix", "conv", "embedding", "head", "vector", "unknown", "unused")
 # rule: a product axis batched with another param's matmul): a path
 # component that names experts (MaxText's MoeBlock_0, moe_layers,
 # routed_experts, GptOssMlp; expert, experts, moe).
-_EXPERT_NAMES = re.compile(r"(^|/)[^/]*(expert|moe|gptossmlp)[^/]*(/|$)",
-                           re.IGNORECASE)
+_EXPERT_NAMES = re.compile(
+  r"(^|/)[^/]*(expert|moe|gptossmlp)[^/]*(/|$)", re.IGNORECASE
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Layout:
     roles: a tree of ``ROLES`` entries.
     reasons: a tree of strings: which rule decided.
   """
+
   labels: Any
   dimension_numbers: Any
   roles: Any
@@ -75,7 +77,8 @@ class Layout:
 
 def _trace(fn, params, args, kwargs):
   closed, out_shape = jax.make_jaxpr(
-      lambda p, *a: fn(p, *a, **kwargs), return_shape=True)(params, *args)
+    lambda p, *a: fn(p, *a, **kwargs), return_shape=True
+  )(params, *args)
   return closed.jaxpr, out_shape
 
 
@@ -84,8 +87,11 @@ def _selected_outputs(out_shape, output) -> list[int]:
   flat, treedef = jax.tree.flatten(out_shape)
   numbered = jax.tree.unflatten(treedef, list(range(len(flat))))
   if output is None:
-    first = numbered[0] if isinstance(numbered, (tuple, list)) and not hasattr(
-        out_shape, "shape") else numbered
+    first = (
+      numbered[0]
+      if isinstance(numbered, (tuple, list)) and not hasattr(out_shape, "shape")
+      else numbered
+    )
     return jax.tree.leaves(first)
   if callable(output):
     return jax.tree.leaves(output(numbered))
@@ -106,33 +112,49 @@ def _decide(path, leaf, uses: set, heads: set, index: int, vocab: set):
   if unknown:
     return "unknown", None, None, unknown[0]
   if "depthwise" in kinds:
-    return "conv", labels_lib.ADAM, None, (
-        "grouped or depthwise conv (feature_group_count > 1)")
-  matrix_uses = {(u.reduction, u.output) for u in uses
-                 if u.kind in ("dot", "conv")}
+    return (
+      "conv",
+      labels_lib.ADAM,
+      None,
+      ("grouped or depthwise conv (feature_group_count > 1)"),
+    )
+  matrix_uses = {
+    (u.reduction, u.output) for u in uses if u.kind in ("dot", "conv")
+  }
   if not matrix_uses:
     return "vector", labels_lib.ADAM, None, "used elementwise only"
   if len(matrix_uses) > 1:
-    return "unknown", None, None, (
-        "multiplied along different axes in different places")
+    return (
+      "unknown",
+      None,
+      None,
+      ("multiplied along different axes in different places"),
+    )
   ((reduction, output),) = matrix_uses
   role = "conv" if "conv" in kinds else "matrix"
-  reason = ("conv kernel: input features and spatial dims are the fan-in"
-            if role == "conv" else "contracting dims are the fan-in")
-  for kind, why in (("split", "indexed apart after the matmul (its parts "
-                     "are used separately)"),
-                    ("expert", "a batch dim of another parameter's matmul "
-                     "(an expert axis)")):
+  reason = (
+    "conv kernel: input features and spatial dims are the fan-in"
+    if role == "conv"
+    else "contracting dims are the fan-in"
+  )
+  for kind, why in (
+    ("split", "indexed apart after the matmul (its parts are used separately)"),
+    ("expert", "a batch dim of another parameter's matmul (an expert axis)"),
+  ):
     axes = _uses.union(*[u.output for u in uses if u.kind == kind]) & output
     if axes and output - axes:
       output = output - axes
-      reason += (f"; output axis {', '.join(map(str, sorted(axes)))} is "
-                 f"{why}: a batch axis")
+      reason += (
+        f"; output axis {', '.join(map(str, sorted(axes)))} is "
+        f"{why}: a batch axis"
+      )
   if len(output) > 1 and _EXPERT_NAMES.search(_paths.path_string(path)):
     batch_axis = min(output)
     output = output - {batch_axis}
-    reason += (f"; axis {batch_axis} is a free dim under an expert/moe path, "
-               "so by name it is the expert (batch) axis")
+    reason += (
+      f"; axis {batch_axis} is a free dim under an expert/moe path, "
+      "so by name it is the expert (batch) axis"
+    )
   if not reduction or not output:
     return "vector", labels_lib.ADAM, None, "a matmul with a vector"
   fan_in = math.prod(shape[a] for a in reduction)
@@ -140,21 +162,36 @@ def _decide(path, leaf, uses: set, heads: set, index: int, vocab: set):
   if min(fan_in, fan_out) == 1:
     return "vector", labels_lib.ADAM, None, "a matmul with a vector"
   if index in heads:
-    return "head", labels_lib.ADAM, None, (
-        "its product reaches the output through no other parameter's matmul")
+    return (
+      "head",
+      labels_lib.ADAM,
+      None,
+      ("its product reaches the output through no other parameter's matmul"),
+    )
   if not heads and fan_out in vocab:
-    return "head", labels_lib.ADAM, None, (
-        "no structural head; fan-out equals the embedding's vocabulary")
-  dims = MuonDimensionNumbers(reduction_axis=tuple(sorted(reduction)),
-                              output_axis=tuple(sorted(output)))
-  if re.search(layout_lib.SplitQKV.pattern, _paths.path_string(path),
-               re.IGNORECASE) and "indexed apart" not in reason:
+    return (
+      "head",
+      labels_lib.ADAM,
+      None,
+      ("no structural head; fan-out equals the embedding's vocabulary"),
+    )
+  dims = MuonDimensionNumbers(
+    reduction_axis=tuple(sorted(reduction)), output_axis=tuple(sorted(output))
+  )
+  if (
+    re.search(
+      layout_lib.SplitQKV.pattern, _paths.path_string(path), re.IGNORECASE
+    )
+    and "indexed apart" not in reason
+  ):
     reason += "; a fused QKV kernel is one matrix unless split_qkv= is given"
   gated = _uses.union(*[u.output for u in uses if u.kind == "gated"]) & output
   if gated:
-    reason += ("; its output's two halves are multiplied together (a fused "
-               "gate/up): split_gate_up=om.SplitGateUp() orthogonalizes "
-               "them apart, as Megatron-Core does for a gated linear_fc1")
+    reason += (
+      "; its output's two halves are multiplied together (a fused "
+      "gate/up): split_gate_up=om.SplitGateUp() orthogonalizes "
+      "them apart, as Megatron-Core does for a gated linear_fc1"
+    )
   return role, labels_lib.MUON, dims, reason
 
 
@@ -165,37 +202,60 @@ def _infer(fn, params, args, kwargs, output, frozen_args: int = 0) -> Layout:
   jaxpr, out_shape = _trace(fn, params, args, kwargs)
   analysis = _uses.Analysis(len(leaves))
   frozen = len(jax.tree.leaves(args[:frozen_args]))
-  weights = jaxpr.invars[:len(leaves) + frozen] + list(jaxpr.constvars)
-  views = {var: _uses.View(i, tuple(frozenset({a}) for a in range(len(
-      var.aval.shape)))) for i, var in enumerate(weights)
-           if hasattr(var.aval, "shape")}
+  weights = jaxpr.invars[: len(leaves) + frozen] + list(jaxpr.constvars)
+  views = {
+    var: _uses.View(
+      i, tuple(frozenset({a}) for a in range(len(var.aval.shape)))
+    )
+    for i, var in enumerate(weights)
+    if hasattr(var.aval, "shape")
+  }
   _, out_tags = analysis.run(jaxpr, views, {})
-  heads = _uses.union(*[out_tags[i]
-                        for i in _selected_outputs(out_shape, output)])
-  vocab = {jnp.shape(leaf)[0] for (_, leaf), uses in zip(leaves, analysis.uses)
-           if any(u.kind == "gather" for u in uses) and jnp.ndim(leaf) == 2}
+  heads = _uses.union(
+    *[out_tags[i] for i in _selected_outputs(out_shape, output)]
+  )
+  vocab = {
+    jnp.shape(leaf)[0]
+    for (_, leaf), uses in zip(leaves, analysis.uses)
+    if any(u.kind == "gather" for u in uses) and jnp.ndim(leaf) == 2
+  }
   default = jax.tree.leaves(labels_lib.default_labels(params))
-  decided = [_decide(path, leaf, uses, heads, i, vocab)
-             for i, ((path, leaf), uses) in enumerate(zip(leaves,
-                                                          analysis.uses))]
+  decided = [
+    _decide(path, leaf, uses, heads, i, vocab)
+    for i, ((path, leaf), uses) in enumerate(zip(leaves, analysis.uses))
+  ]
   rows = []
   for (path, leaf), fallback, (role, label, dims, reason) in zip(
-      leaves, default, decided):
+    leaves, default, decided
+  ):
     rows.append((path, leaf, role, label or fallback, dims, reason))
   unflat = lambda values: jax.tree.unflatten(treedef, values)
-  return Layout(labels=unflat([r[3] for r in rows]),
-                dimension_numbers=unflat([r[4] for r in rows]),
-                roles=unflat([r[2] for r in rows]),
-                reasons=unflat([r[5] for r in rows]),
-                table=_table([(path, leaf, role, label,
-                               layout_lib.matrix_view(jnp.shape(leaf), dims)
-                               if label == labels_lib.MUON else None, reason)
-                              for path, leaf, role, label, dims, reason
-                              in rows]))
+  return Layout(
+    labels=unflat([r[3] for r in rows]),
+    dimension_numbers=unflat([r[4] for r in rows]),
+    roles=unflat([r[2] for r in rows]),
+    reasons=unflat([r[5] for r in rows]),
+    table=_table(
+      [
+        (
+          path,
+          leaf,
+          role,
+          label,
+          layout_lib.matrix_view(jnp.shape(leaf), dims)
+          if label == labels_lib.MUON
+          else None,
+          reason,
+        )
+        for path, leaf, role, label, dims, reason in rows
+      ]
+    ),
+  )
 
 
-def infer_layout(fn, params=None, *args, output=None, wrt=None,
-                 **kwargs) -> Layout:
+def infer_layout(
+  fn, params=None, *args, output=None, wrt=None, **kwargs
+) -> Layout:
   """Reads which leaves are matrices, and how, from the model's computation.
 
   Traces ``fn(params, *args, **kwargs)`` with ``jax.make_jaxpr`` (nothing is
@@ -227,31 +287,41 @@ def infer_layout(fn, params=None, *args, output=None, wrt=None,
   """
   if _is_nnx_module(fn):
     from flax import nnx  # pylint: disable=import-outside-toplevel
+
     if params is None and not args and not kwargs:
       raise ValueError(
-          f"infer_layout({type(fn).__name__}) traces the model on inputs and "
-          "got none; pass an example batch: om.infer_layout(model, batch) "
-          "(arrays or jax.ShapeDtypeStruct)")
-    graphdef, state, rest = nnx.split(fn, nnx.Param if wrt is None else wrt,
-                                      ...)
+        f"infer_layout({type(fn).__name__}) traces the model on inputs and "
+        "got none; pass an example batch: om.infer_layout(model, batch) "
+        "(arrays or jax.ShapeDtypeStruct)"
+      )
+    graphdef, state, rest = nnx.split(
+      fn, nnx.Param if wrt is None else wrt, ...
+    )
+
     # The rest of the module's state (rng counts, batch statistics, caches,
     # frozen weights) is traced as an input too: a forward pass that updates
     # it then updates tracers of this trace, and the user's module is left
     # as it was.
     def forward(p, r, *a, **k):
       return nnx.merge(graphdef, p, r)(*a, **k)
-    return _infer(forward, state, (rest, params) + args, kwargs, output,
-                  frozen_args=1)
+
+    return _infer(
+      forward, state, (rest, params) + args, kwargs, output, frozen_args=1
+    )
   if wrt is not None:
-    raise ValueError("wrt= selects the state of an nnx.Module; for a function "
-                     "pass the trained params as params")
+    raise ValueError(
+      "wrt= selects the state of an nnx.Module; for a function "
+      "pass the trained params as params"
+    )
   return _infer(fn, params, args, kwargs, output)
 
 
 def _is_nnx_module(value) -> bool:
   """Whether ``value`` is a ``flax.nnx.Module`` (without importing Flax)."""
-  return any(c.__module__.startswith("flax.nnx") and c.__name__ == "Module"
-             for c in type(value).__mro__)
+  return any(
+    c.__module__.startswith("flax.nnx") and c.__name__ == "Module"
+    for c in type(value).__mro__
+  )
 
 
 def _table(rows, scale_of=scaling.scale_factor) -> str:
@@ -267,22 +337,36 @@ def _table(rows, scale_of=scaling.scale_factor) -> str:
     else:
       count = math.prod(view.batch_shape)
       pieces = view.matrix_shapes
-      matrices = " + ".join(f"{count} × {fan_in} × {fan_out}"
-                            for fan_in, fan_out in pieces)
-      scale = " + ".join(f"{scale_of(fan_out, fan_in):.3g}"
-                         for fan_in, fan_out in pieces)
-    lines.append((_paths.path_string(path), shape, role, label, matrices,
-                  scale, *reason))
-  lines.insert(0, header[:len(lines[0]) if lines else 6])
+      matrices = " + ".join(
+        f"{count} × {fan_in} × {fan_out}" for fan_in, fan_out in pieces
+      )
+      scale = " + ".join(
+        f"{scale_of(fan_out, fan_in):.3g}" for fan_in, fan_out in pieces
+      )
+    lines.append(
+      (_paths.path_string(path), shape, role, label, matrices, scale, *reason)
+    )
+  lines.insert(0, header[: len(lines[0]) if lines else 6])
   widths = [max(len(line[c]) for line in lines) for c in range(len(lines[0]))]
-  return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths))
-                   .rstrip() for line in lines)
+  return "\n".join(
+    "  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
+    for line in lines
+  )
 
 
-def describe(params, *, labels=None, dimension_numbers=None, split_qkv=None,
-             split_gate_up=None, layout=None, scale_mode: str = "spectral",
-             match_adamw_update_rms: bool = False, extra_scale_factor=None,
-             adam_b1=0.9) -> str:
+def describe(
+  params,
+  *,
+  labels=None,
+  dimension_numbers=None,
+  split_qkv=None,
+  split_gate_up=None,
+  layout=None,
+  scale_mode: str = "spectral",
+  match_adamw_update_rms: bool = False,
+  extra_scale_factor=None,
+  adam_b1=0.9,
+) -> str:
   """The routing table for the given ``om.muon`` settings (defaults
   included): what each leaf gets before training starts.
 
@@ -301,26 +385,44 @@ def describe(params, *, labels=None, dimension_numbers=None, split_qkv=None,
     ValueError: what ``om.muon`` would raise at ``init`` for these settings
       (leaves of 3+ axes without dimension numbers, unknown paths, ...).
   """
-  labels, dimension_numbers = alias.from_layout(layout, labels,
-                                                dimension_numbers)
+  labels, dimension_numbers = alias.from_layout(
+    layout, labels, dimension_numbers
+  )
   _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
-  extra = alias.resolve_extra_scale_factor(extra_scale_factor,
-                                           match_adamw_update_rms, adam_b1)
+  extra = alias.resolve_extra_scale_factor(
+    extra_scale_factor, match_adamw_update_rms, adam_b1
+  )
   label_tree = labels_lib.label_fn(labels)(params)
   leaves, _ = _paths.leaves_with_paths(params)
   label_of = dict(_paths.leaves_with_paths(label_tree)[0])
   # only the Muon leaves have a view; the others are masked as optax does
   muon_only = jax.tree.map(
-      lambda leaf, label: leaf if label == labels_lib.MUON else
-      optax.MaskedNode(), params, label_tree)
-  view_of = {path: view for path, _, view in layout_lib.view_resolver(
-      dimension_numbers, split_qkv, split_gate_up)(muon_only)}
+    lambda leaf, label: (
+      leaf if label == labels_lib.MUON else optax.MaskedNode()
+    ),
+    params,
+    label_tree,
+  )
+  view_of = {
+    path: view
+    for path, _, view in layout_lib.view_resolver(
+      dimension_numbers, split_qkv, split_gate_up
+    )(muon_only)
+  }
   rows = []
   for path, leaf in leaves:
     view = view_of.get(path)
-    role = (("split qkv" if len(view.widths) == 3 else "split gate/up")
-            if view is not None and view.widths else
-            "matrix" if view is not None else "—")
+    role = (
+      ("split qkv" if len(view.widths) == 3 else "split gate/up")
+      if view is not None and view.widths
+      else "matrix"
+      if view is not None
+      else "—"
+    )
     rows.append((path, leaf, role, label_of[path], view))
-  return _table(rows, lambda fan_out, fan_in: float(extra) * (
-      scaling.scale_factor(fan_out, fan_in, scale_mode)))
+  return _table(
+    rows,
+    lambda fan_out, fan_in: (
+      float(extra) * (scaling.scale_factor(fan_out, fan_in, scale_mode))
+    ),
+  )

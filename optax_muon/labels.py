@@ -8,7 +8,8 @@ are not floating point (integer counters, boolean masks) get ``"none"``: no
 update and no optimizer state.
 """
 
-from typing import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +30,16 @@ def _component(names: str) -> str:
 # matches whole path components only: "embed_proj", "denormalizer" and
 # "lnr_mlp" are matrices, "embed_tokens", "final_norm" and "ln_f" are not.
 DEFAULT_ADAM_PATTERNS = (
-    _component(r"(\w+_)?(embed|embeds|embedding|embeddings|embedder)(_\d+)?"
-               r"|embed_tokens|wte|wpe"),
-    _component(r"lm_head|unembed|unembedding|(\w+_)?head(_\d+)?"),
-    _component(r"(\w+_)?(layer_?norm|rms_?norm|group_?norm|batch_?norm|norm)"
-               r"(_?\d+)?|ln(_?(\d+|f|final|pre|post))?"),
-    _component(r"scale|(\w+_)?bias(es)?"),
+  _component(
+    r"(\w+_)?(embed|embeds|embedding|embeddings|embedder)(_\d+)?"
+    r"|embed_tokens|wte|wpe"
+  ),
+  _component(r"lm_head|unembed|unembedding|(\w+_)?head(_\d+)?"),
+  _component(
+    r"(\w+_)?(layer_?norm|rms_?norm|group_?norm|batch_?norm|norm)"
+    r"(_?\d+)?|ln(_?(\d+|f|final|pre|post))?"
+  ),
+  _component(r"scale|(\w+_)?bias(es)?"),
 )
 DEFAULT_MUON_PATTERNS = ()
 
@@ -50,8 +55,12 @@ def is_float(leaf) -> bool:
   return jnp.issubdtype(dtype, jnp.inexact)
 
 
-def default_labels(params, *, adam_patterns: Sequence[str] = (),
-                   muon_patterns: Sequence[str] = ()):
+def default_labels(
+  params,
+  *,
+  adam_patterns: Sequence[str] = (),
+  muon_patterns: Sequence[str] = (),
+):
   """Labels each leaf ``"muon"``, ``"adam"`` or ``"none"`` by path, shape, dtype.
 
   A leaf that is not floating point is ``"none"``. Otherwise it is ``"muon"``
@@ -77,20 +86,27 @@ def default_labels(params, *, adam_patterns: Sequence[str] = (),
     ValueError: a pattern that matches no leaf, or a ``muon_patterns`` match
       that is not a matrix.
   """
-  for name, patterns in (("adam_patterns", adam_patterns),
-                         ("muon_patterns", muon_patterns)):
+  for name, patterns in (
+    ("adam_patterns", adam_patterns),
+    ("muon_patterns", muon_patterns),
+  ):
     if isinstance(patterns, str):
-      raise TypeError(f"{name} must be a sequence of regexes, got the single "
-                      f"string {patterns!r}; wrap it in a tuple")
+      raise TypeError(
+        f"{name} must be a sequence of regexes, got the single "
+        f"string {patterns!r}; wrap it in a tuple"
+      )
   leaves, treedef = _paths.leaves_with_paths(params)
-  for name, patterns in (("adam_patterns", adam_patterns),
-                         ("muon_patterns", muon_patterns)):
+  for name, patterns in (
+    ("adam_patterns", adam_patterns),
+    ("muon_patterns", muon_patterns),
+  ):
     for pattern in patterns:
       if not any(_paths.matches([pattern], path) for path, _ in leaves):
         raise ValueError(
-            f"{name} has {pattern!r}, which matches no parameter path; the "
-            f"params have {len(leaves)} leaves, e.g. "
-            f"{[_paths.path_string(p) for p, _ in leaves[:3]]}")
+          f"{name} has {pattern!r}, which matches no parameter path; the "
+          f"params have {len(leaves)} leaves, e.g. "
+          f"{[_paths.path_string(p) for p, _ in leaves[:3]]}"
+        )
   adam_patterns = tuple(DEFAULT_ADAM_PATTERNS) + tuple(adam_patterns)
   labels = []
   for path, leaf in leaves:
@@ -100,9 +116,10 @@ def default_labels(params, *, adam_patterns: Sequence[str] = (),
     elif _paths.matches(muon_patterns, path):
       if len(shape) < 2:
         raise ValueError(
-            f"muon_patterns={list(muon_patterns)} matched "
-            f"{_paths.path_string(path)} of shape {shape}, which has fewer "
-            "than 2 axes; Muon needs a matrix")
+          f"muon_patterns={list(muon_patterns)} matched "
+          f"{_paths.path_string(path)} of shape {shape}, which has fewer "
+          "than 2 axes; Muon needs a matrix"
+        )
       labels.append(MUON)
     elif _is_vector(shape) or _paths.matches(adam_patterns, path):
       labels.append(ADAM)
@@ -130,16 +147,21 @@ def label_fn(labels) -> Callable:
     for path, leaf in leaves:
       label, where = label_of(path), _paths.path_string(path) or "<root>"
       if label is None:
-        raise ValueError(f"labels gives no label for leaf {where}; accepted "
-                         f"values: {list(LABELS)}")
+        raise ValueError(
+          f"labels gives no label for leaf {where}; accepted "
+          f"values: {list(LABELS)}"
+        )
       if label not in LABELS:
-        raise ValueError(f"labels has {label!r} for leaf {where}; accepted "
-                         f"values: {list(LABELS)}")
+        raise ValueError(
+          f"labels has {label!r} for leaf {where}; accepted "
+          f"values: {list(LABELS)}"
+        )
       if label != NONE and not is_float(leaf):
         raise ValueError(
-            f"labels sends leaf {where} of dtype {getattr(leaf, 'dtype', None)} to "
-            f"{label!r}; a leaf that is not floating point can only be "
-            f"{NONE!r} (no update)")
+          f"labels sends leaf {where} of dtype {getattr(leaf, 'dtype', None)} to "
+          f"{label!r}; a leaf that is not floating point can only be "
+          f"{NONE!r} (no update)"
+        )
       tree.append(label)
     return jax.tree.unflatten(treedef, tree)
 

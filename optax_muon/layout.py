@@ -9,7 +9,7 @@ of its own for orthogonalization and scaling.
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,7 @@ class SplitQKV:
     pattern: regex found in a leaf's path (lower-cased, ``/``-joined) that
       marks it as a fused QKV kernel, when ``SplitQKV`` is given for all leaves.
   """
+
   num_heads: int
   num_kv_heads: int
   head_dim: int
@@ -47,14 +48,19 @@ class SplitQKV:
     for name in ("num_heads", "num_kv_heads", "head_dim"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"split_qkv.{name} must be a positive int, got {value!r}")
+        raise ValueError(
+          f"split_qkv.{name} must be a positive int, got {value!r}"
+        )
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
-          f"split_qkv.num_kv_heads={self.num_kv_heads} must divide "
-          f"split_qkv.num_heads={self.num_heads}")
+        f"split_qkv.num_kv_heads={self.num_kv_heads} must divide "
+        f"split_qkv.num_heads={self.num_heads}"
+      )
     if self.layout not in QKV_LAYOUTS:
-      raise ValueError(f"split_qkv.layout={self.layout!r} is not accepted; "
-                       f"accepted values: {list(QKV_LAYOUTS)}")
+      raise ValueError(
+        f"split_qkv.layout={self.layout!r} is not accepted; "
+        f"accepted values: {list(QKV_LAYOUTS)}"
+      )
 
   def groups_and_widths_for(self, fan_out: int):
     del fan_out  # the head counts fix the widths
@@ -84,14 +90,19 @@ class SplitGateUp:
     pattern: regex found in a leaf's path (lower-cased, ``/``-joined) that
       marks it as fused, when ``SplitGateUp`` is given for all leaves.
   """
+
   groups: int = 1
   pattern: str = "gate_up"
 
   def __post_init__(self):
-    if isinstance(self.groups, bool) or not isinstance(self.groups, int) or (
-        self.groups < 1):
+    if (
+      isinstance(self.groups, bool)
+      or not isinstance(self.groups, int)
+      or (self.groups < 1)
+    ):
       raise ValueError(
-          f"split_gate_up.groups must be a positive int, got {self.groups!r}")
+        f"split_gate_up.groups must be a positive int, got {self.groups!r}"
+      )
 
   def groups_and_widths_for(self, fan_out: int) -> tuple[int, tuple[int, int]]:
     half = fan_out // (2 * self.groups)
@@ -101,6 +112,7 @@ class SplitGateUp:
 @dataclasses.dataclass(frozen=True)
 class MatrixView:
   """A leaf seen as ``(batch, fan_in, fan_out)``, maybe split along fan-out."""
+
   shape: tuple[int, ...]
   batch_axes: tuple[int, ...]
   reduction_axes: tuple[int, ...]
@@ -134,27 +146,34 @@ class MatrixView:
     """The leaf as pieces of shape ``(batch, fan_in, fan_out_i)``."""
     batch = math.prod(self.batch_shape)
     flat = jnp.transpose(x, self.permutation).reshape(
-        batch, self.fan_in, self.fan_out)
+      batch, self.fan_in, self.fan_out
+    )
     if not self.widths:
       return [flat]
     grouped = flat.reshape(batch, self.fan_in, self.groups, sum(self.widths))
     starts = [sum(self.widths[:i]) for i in range(len(self.widths))]
-    return [grouped[..., s:s + w].reshape(batch, self.fan_in, self.groups * w)
-            for s, w in zip(starts, self.widths)]
+    return [
+      grouped[..., s : s + w].reshape(batch, self.fan_in, self.groups * w)
+      for s, w in zip(starts, self.widths)
+    ]
 
   def from_matrices(self, pieces: Sequence[jax.Array]) -> jax.Array:
     """Inverse of ``to_matrices``."""
     batch = math.prod(self.batch_shape)
     if self.widths:
       flat = jnp.concatenate(
-          [p.reshape(batch, self.fan_in, self.groups, w)
-           for p, w in zip(pieces, self.widths)], axis=-1).reshape(
-               batch, self.fan_in, self.fan_out)
+        [
+          p.reshape(batch, self.fan_in, self.groups, w)
+          for p, w in zip(pieces, self.widths)
+        ],
+        axis=-1,
+      ).reshape(batch, self.fan_in, self.fan_out)
     else:
       (flat,) = pieces
     permuted_shape = tuple(self.shape[a] for a in self.permutation)
-    inverse = tuple(sorted(range(len(self.shape)),
-                           key=lambda i: self.permutation[i]))
+    inverse = tuple(
+      sorted(range(len(self.shape)), key=lambda i: self.permutation[i])
+    )
     return jnp.transpose(flat.reshape(permuted_shape), inverse)
 
 
@@ -163,24 +182,32 @@ def _normalize_axes(name: str, axes, ndim: int, where: str) -> tuple[int, ...]:
   if not axes:
     raise ValueError(f"dimension_numbers.{name} of {where} is empty")
   for axis in axes:
-    if isinstance(axis, bool) or not isinstance(axis, int) or not (
-        -ndim <= axis < ndim):
+    if (
+      isinstance(axis, bool)
+      or not isinstance(axis, int)
+      or not (-ndim <= axis < ndim)
+    ):
       raise ValueError(
-          f"dimension_numbers.{name}={axes} of {where} names an axis outside "
-          f"the array's {ndim} axes (accepted: ints in [{-ndim}, {ndim}))")
+        f"dimension_numbers.{name}={axes} of {where} names an axis outside "
+        f"the array's {ndim} axes (accepted: ints in [{-ndim}, {ndim}))"
+      )
   normalized = tuple(a % ndim for a in axes)
   if len(set(normalized)) != len(normalized):
-    raise ValueError(f"dimension_numbers.{name}={axes} of {where} repeats an axis")
+    raise ValueError(
+      f"dimension_numbers.{name}={axes} of {where} repeats an axis"
+    )
   return normalized
 
 
 LEADING = "leading"
 
 
-def matrix_view(shape: Sequence[int],
-                dimension_numbers: MuonDimensionNumbers | str | None = None,
-                split_qkv: "SplitQKV | SplitGateUp | None" = None,
-                where: str = "a leaf") -> MatrixView:
+def matrix_view(
+  shape: Sequence[int],
+  dimension_numbers: MuonDimensionNumbers | str | None = None,
+  split_qkv: "SplitQKV | SplitGateUp | None" = None,
+  where: str = "a leaf",
+) -> MatrixView:
   """The ``MatrixView`` of a leaf of ``shape``.
 
   Args:
@@ -204,37 +231,42 @@ def matrix_view(shape: Sequence[int],
   ndim = len(shape)
   if ndim < 2:
     raise ValueError(
-        f"{where} of shape {shape} has fewer than 2 axes and cannot be a Muon "
-        "matrix; route it to the scalar optimizer (labels=...)")
+      f"{where} of shape {shape} has fewer than 2 axes and cannot be a Muon "
+      "matrix; route it to the scalar optimizer (labels=...)"
+    )
   if dimension_numbers is None and ndim > 2:
     raise ValueError(unviewed_message([(where, shape)]))
   if dimension_numbers is None or dimension_numbers == LEADING:
     reduction, output = (ndim - 2,), (ndim - 1,)
   elif isinstance(dimension_numbers, MuonDimensionNumbers):
-    reduction = _normalize_axes("reduction_axis",
-                                dimension_numbers.reduction_axis, ndim, where)
-    output = _normalize_axes("output_axis", dimension_numbers.output_axis,
-                             ndim, where)
+    reduction = _normalize_axes(
+      "reduction_axis", dimension_numbers.reduction_axis, ndim, where
+    )
+    output = _normalize_axes(
+      "output_axis", dimension_numbers.output_axis, ndim, where
+    )
     if set(reduction) & set(output):
       raise ValueError(
-          f"dimension_numbers of {where}: reduction_axis {reduction} and "
-          f"output_axis {output} overlap; they must be disjoint")
+        f"dimension_numbers of {where}: reduction_axis {reduction} and "
+        f"output_axis {output} overlap; they must be disjoint"
+      )
   else:
     raise TypeError(
-        f"dimension_numbers of {where} must be optax.contrib."
-        f"MuonDimensionNumbers, {LEADING!r} or None, got {dimension_numbers!r}")
+      f"dimension_numbers of {where} must be optax.contrib."
+      f"MuonDimensionNumbers, {LEADING!r} or None, got {dimension_numbers!r}"
+    )
   batch = tuple(a for a in range(ndim) if a not in reduction + output)
   view = MatrixView(shape, batch, reduction, output)
   if split_qkv is None:
     return view
   groups, widths = split_qkv.groups_and_widths_for(view.fan_out)
   if view.fan_out != groups * sum(widths):
-    name = ("split_qkv" if isinstance(split_qkv, SplitQKV) else
-            "split_gate_up")
+    name = "split_qkv" if isinstance(split_qkv, SplitQKV) else "split_gate_up"
     raise ValueError(
-        f"{name}={split_qkv} expects a fused fan-out of "
-        f"{groups * sum(widths)} (= {groups} × {sum(widths)}), but {where} "
-        f"of shape {shape} has fan-out {view.fan_out}")
+      f"{name}={split_qkv} expects a fused fan-out of "
+      f"{groups * sum(widths)} (= {groups} × {sum(widths)}), but {where} "
+      f"of shape {shape} has fan-out {view.fan_out}"
+    )
   return dataclasses.replace(view, groups=groups, widths=widths)
 
 
@@ -243,13 +275,14 @@ def unviewed_message(leaves) -> str:
   ``leaves`` are ``(where, shape)`` pairs."""
   listed = "; ".join(f"{where} {shape}" for where, shape in leaves)
   return (
-      f"{len(leaves)} Muon leaf/leaves with 3 or more axes and no dimension "
-      f"numbers, so which axes form the matrices is unknown: {listed}. "
-      "Read them from the model with layout=om.infer_layout(model, batch), "
-      "give them by hand with dimension_numbers={path: optax.contrib."
-      "MuonDimensionNumbers(reduction_axis=..., output_axis=...)}, opt in to "
-      "leading axes as batch and the last two as (in, out) with "
-      f"dimension_numbers={LEADING!r}, or route them to AdamW with labels=")
+    f"{len(leaves)} Muon leaf/leaves with 3 or more axes and no dimension "
+    f"numbers, so which axes form the matrices is unknown: {listed}. "
+    "Read them from the model with layout=om.infer_layout(model, batch), "
+    "give them by hand with dimension_numbers={path: optax.contrib."
+    "MuonDimensionNumbers(reduction_axis=..., output_axis=...)}, opt in to "
+    "leading axes as batch and the last two as (in, out) with "
+    f"dimension_numbers={LEADING!r}, or route them to AdamW with labels="
+  )
 
 
 def view_resolver(dimension_numbers=None, split_qkv=None, split_gate_up=None):
@@ -270,38 +303,59 @@ def view_resolver(dimension_numbers=None, split_qkv=None, split_gate_up=None):
   """
   if isinstance(dimension_numbers, str) and dimension_numbers != LEADING:
     raise ValueError(
-        f"dimension_numbers={dimension_numbers!r} is not accepted; accepted: "
-        f"{LEADING!r}, an optax.contrib.MuonDimensionNumbers, a tree of them "
-        "or a function of the params")
+      f"dimension_numbers={dimension_numbers!r} is not accepted; accepted: "
+      f"{LEADING!r}, an optax.contrib.MuonDimensionNumbers, a tree of them "
+      "or a function of the params"
+    )
   dims_lookup = _paths.PathLookup(
-      "dimension_numbers", dimension_numbers, (MuonDimensionNumbers, str),
-      type_name=f"an optax.contrib.MuonDimensionNumbers (or {LEADING!r})")
-  splits = [(_paths.PathLookup(name, spec, kind), isinstance(spec, kind))
-            for name, spec, kind in (("split_qkv", split_qkv, SplitQKV),
-                                     ("split_gate_up", split_gate_up,
-                                      SplitGateUp))]
+    "dimension_numbers",
+    dimension_numbers,
+    (MuonDimensionNumbers, str),
+    type_name=f"an optax.contrib.MuonDimensionNumbers (or {LEADING!r})",
+  )
+  splits = [
+    (_paths.PathLookup(name, spec, kind), isinstance(spec, kind))
+    for name, spec, kind in (
+      ("split_qkv", split_qkv, SplitQKV),
+      ("split_gate_up", split_gate_up, SplitGateUp),
+    )
+  ]
 
   def resolve(tree):
     leaves, _ = _paths.leaves_with_paths(tree)
     dims_of = dims_lookup.resolve(tree)
-    split_ofs = [(lookup.resolve(tree), is_pattern)
-                 for lookup, is_pattern in splits]
+    split_ofs = [
+      (lookup.resolve(tree), is_pattern) for lookup, is_pattern in splits
+    ]
     where = lambda path: f"leaf {_paths.path_string(path) or '<root>'}"
-    unviewed = [(where(path), tuple(jnp.shape(leaf))) for path, leaf in leaves
-                if jnp.ndim(leaf) > 2 and dims_of(path) is None]
+    unviewed = [
+      (where(path), tuple(jnp.shape(leaf)))
+      for path, leaf in leaves
+      if jnp.ndim(leaf) > 2 and dims_of(path) is None
+    ]
     if unviewed:
       raise ValueError(unviewed_message(unviewed))
     views = []
     for path, leaf in leaves:
-      found = [split for split_of, is_pattern in split_ofs
-               if (split := split_of(path)) is not None and not (
-                   is_pattern and not _paths.matches([split.pattern], path))]
+      found = [
+        split
+        for split_of, is_pattern in split_ofs
+        if (split := split_of(path)) is not None
+        and not (is_pattern and not _paths.matches([split.pattern], path))
+      ]
       if len(found) > 1:
-        raise ValueError(f"{where(path)} gets both split_qkv and "
-                         "split_gate_up; a fused kernel is one or the other")
+        raise ValueError(
+          f"{where(path)} gets both split_qkv and "
+          "split_gate_up; a fused kernel is one or the other"
+        )
       split = found[0] if found else None
-      views.append((path, leaf, matrix_view(jnp.shape(leaf), dims_of(path),
-                                            split, where(path))))
+      views.append(
+        (
+          path,
+          leaf,
+          matrix_view(jnp.shape(leaf), dims_of(path), split, where(path)),
+        )
+      )
     return views
 
   return resolve

@@ -13,6 +13,7 @@ MOMENTUM_STYLES = ("ema", "sgd")
 
 class MomentumState(NamedTuple):
   """The momentum buffer, one per leaf."""
+
   mu: optax.Updates
 
 
@@ -23,11 +24,15 @@ def canonical_dtype(name: str, dtype):
   try:
     dtype = jnp.dtype(dtype)
   except TypeError as error:
-    raise ValueError(f"{name}={dtype!r} is not a dtype; accepted: None or a "
-                     "floating dtype such as 'float32'") from error
+    raise ValueError(
+      f"{name}={dtype!r} is not a dtype; accepted: None or a "
+      "floating dtype such as 'float32'"
+    ) from error
   if not jnp.issubdtype(dtype, jnp.inexact):
-    raise ValueError(f"{name}={dtype!r} is not a floating dtype; accepted: "
-                     "None or a floating dtype such as 'float32'")
+    raise ValueError(
+      f"{name}={dtype!r} is not a floating dtype; accepted: "
+      "None or a floating dtype such as 'float32'"
+    )
   return dtype
 
 
@@ -43,13 +48,19 @@ def _buffer_dtype(param_dtype, dtype):
 
 class BiasCorrectedMomentumState(NamedTuple):
   """The momentum buffer and the number of updates taken."""
+
   count: jax.Array  # int32 scalar
   mu: optax.Updates
 
 
-def momentum(beta=0.95, *, nesterov: bool = True, style: str = "ema",
-             dtype=None, bias_correction: bool = False
-             ) -> optax.GradientTransformation:
+def momentum(
+  beta=0.95,
+  *,
+  nesterov: bool = True,
+  style: str = "ema",
+  dtype=None,
+  bias_correction: bool = False,
+) -> optax.GradientTransformation:
   r"""Accumulates gradients into a momentum buffer and returns its update.
 
   ``style="ema"`` (Megatron-Core, emerging-optimizers)::
@@ -94,15 +105,21 @@ def momentum(beta=0.95, *, nesterov: bool = True, style: str = "ema",
   if not isinstance(bias_correction, bool):
     raise TypeError(f"bias_correction must be a bool, got {bias_correction!r}")
   if bias_correction and style != "ema":
-    raise ValueError(f"bias_correction=True needs style='ema' (an average), "
-                     f"got style={style!r}; accepted styles with it: ['ema']")
+    raise ValueError(
+      f"bias_correction=True needs style='ema' (an average), "
+      f"got style={style!r}; accepted styles with it: ['ema']"
+    )
   dtype = canonical_dtype("dtype", dtype)
   gradient_weight = (lambda: 1.0 - beta) if style == "ema" else (lambda: 1.0)
 
   def init_fn(params):
     # zeros_like keeps each param's sharding
-    mu = jax.tree.map(lambda p: jnp.zeros_like(
-        p, dtype=_buffer_dtype(jnp.result_type(p), dtype)), params)
+    mu = jax.tree.map(
+      lambda p: jnp.zeros_like(
+        p, dtype=_buffer_dtype(jnp.result_type(p), dtype)
+      ),
+      params,
+    )
     if bias_correction:
       return BiasCorrectedMomentumState(count=jnp.zeros([], jnp.int32), mu=mu)
     return MomentumState(mu=mu)
@@ -111,8 +128,9 @@ def momentum(beta=0.95, *, nesterov: bool = True, style: str = "ema",
     del params
     weight = gradient_weight()
     # bf16 grads into an fp32 buffer are summed in fp32
-    updates = jax.tree.map(lambda g, m: g.astype(jnp.result_type(g, m)),
-                           updates, state.mu)
+    updates = jax.tree.map(
+      lambda g, m: g.astype(jnp.result_type(g, m)), updates, state.mu
+    )
     mu = jax.tree.map(lambda g, m: weight * g + beta * m, updates, state.mu)
     stored = jax.tree.map(lambda m, old: m.astype(old.dtype), mu, state.mu)
     if not bias_correction:
@@ -124,9 +142,10 @@ def momentum(beta=0.95, *, nesterov: bool = True, style: str = "ema",
     count = optax.safe_increment(state.count)
     if nesterov:
       out = jax.tree.map(
-          lambda m, g: beta * m + weight * g,
-          optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
-          optax.tree.bias_correction(updates, beta, count))
+        lambda m, g: beta * m + weight * g,
+        optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+        optax.tree.bias_correction(updates, beta, count),
+      )
     else:
       out = optax.tree.bias_correction(mu, beta, count)
     return out, BiasCorrectedMomentumState(count=count, mu=stored)

@@ -23,10 +23,11 @@ def check_precision_for(dtype, precision: str, where: str = "x") -> None:
   complex bf16 or fp16)."""
   if precision in _ROUNDED and jnp.issubdtype(dtype, jnp.complexfloating):
     raise ValueError(
-        f"precision={precision!r} rounds every product to "
-        f"{jnp.dtype(_ROUNDED[precision]).name}, which has no complex type, "
-        f"but {where} is {jnp.dtype(dtype).name}; accepted precisions for "
-        "complex matrices: ['highest', 'high']")
+      f"precision={precision!r} rounds every product to "
+      f"{jnp.dtype(_ROUNDED[precision]).name}, which has no complex type, "
+      f"but {where} is {jnp.dtype(dtype).name}; accepted precisions for "
+      "complex matrices: ['highest', 'high']"
+    )
 
 
 def conj_transpose(x: jax.Array) -> jax.Array:
@@ -46,11 +47,15 @@ def matmul(a: jax.Array, b: jax.Array, precision: str) -> jax.Array:
   """
   if precision in _ROUNDED:
     low = _ROUNDED[precision]
-    product = jnp.matmul(a.astype(low), b.astype(low),
-                         preferred_element_type=jnp.float32)
+    product = jnp.matmul(
+      a.astype(low), b.astype(low), preferred_element_type=jnp.float32
+    )
     return product.astype(low).astype(jnp.float32)
-  level = (jax.lax.Precision.HIGHEST if precision == "highest"
-           and jax.default_backend() != "cpu" else jax.lax.Precision.DEFAULT)
+  level = (
+    jax.lax.Precision.HIGHEST
+    if precision == "highest" and jax.default_backend() != "cpu"
+    else jax.lax.Precision.DEFAULT
+  )
   # XLA:CPU multiplies fp32 in full precision at every level; its DEFAULT path
   # gave the same bits 5% faster (1024×4096, 2 cores), so "highest" uses it
   # there.
@@ -61,8 +66,9 @@ def _all_reduce(reduce, x, axis_name):
   return x if axis_name is None else reduce(x, axis_name)
 
 
-def normalize(x: jax.Array, eps: float, axis_name=None,
-              add_eps: bool = False) -> jax.Array:
+def normalize(
+  x: jax.Array, eps: float, axis_name=None, add_eps: bool = False
+) -> jax.Array:
   """``x / max(‖x‖_F, eps)`` per matrix, safe over the whole fp32 range.
 
   Dividing by ``max|x|`` first keeps ``‖x‖²`` from overflowing (entries near
@@ -76,14 +82,24 @@ def normalize(x: jax.Array, eps: float, axis_name=None,
     if axis_name is None:  # jnp's norm, for optax's bits
       norm = jnp.linalg.norm(x, axis=(-2, -1), keepdims=True)
     else:
-      norm = jnp.sqrt(jax.lax.psum(jnp.sum(jnp.real(x * jnp.conj(x)), axis=(
-          -2, -1), keepdims=True), axis_name))
+      norm = jnp.sqrt(
+        jax.lax.psum(
+          jnp.sum(jnp.real(x * jnp.conj(x)), axis=(-2, -1), keepdims=True),
+          axis_name,
+        )
+      )
     return x / (norm + eps).astype(x.dtype)
-  peak = _all_reduce(jax.lax.pmax, jnp.max(jnp.abs(x), axis=(-2, -1),
-                                           keepdims=True), axis_name)
+  peak = _all_reduce(
+    jax.lax.pmax, jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True), axis_name
+  )
   x = x / jnp.where(peak > 0, peak, 1.0)
-  norm = jnp.sqrt(_all_reduce(jax.lax.psum, jnp.sum(
-      jnp.square(jnp.abs(x)), axis=(-2, -1), keepdims=True), axis_name))
+  norm = jnp.sqrt(
+    _all_reduce(
+      jax.lax.psum,
+      jnp.sum(jnp.square(jnp.abs(x)), axis=(-2, -1), keepdims=True),
+      axis_name,
+    )
+  )
   return x / jnp.maximum(norm, eps)
 
 
@@ -91,8 +107,9 @@ PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 GRAM_RESCALINGS = ("aol", "schatten")  # scale X from A = X Xᴴ
 
 
-def gram_rescale(X: jax.Array, A: jax.Array, preconditioning: str,
-                 eps: float) -> tuple[jax.Array, jax.Array]:
+def gram_rescale(
+  X: jax.Array, A: jax.Array, preconditioning: str, eps: float
+) -> tuple[jax.Array, jax.Array]:
   r"""``(S X, S A Sᴴ)`` for ``A = X Xᴴ``, with ``S`` read off ``A``.
 
   * ``"aol"``: ``S = diag(Σ_j |A_ij|)^{-1/2}`` (almost-orthogonal-layer
@@ -107,14 +124,20 @@ def gram_rescale(X: jax.Array, A: jax.Array, preconditioning: str,
     s = jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.abs(A), axis=-1), eps))[..., None]
     s = s.astype(X.dtype)
     return X * s, A * s * jnp.swapaxes(s, -1, -2)
-  s = jax.lax.rsqrt(jnp.maximum(
-      jnp.linalg.norm(A, axis=(-2, -1), keepdims=True), eps)).astype(X.dtype)
-  return X * s, A * s ** 2
+  s = jax.lax.rsqrt(
+    jnp.maximum(jnp.linalg.norm(A, axis=(-2, -1), keepdims=True), eps)
+  ).astype(X.dtype)
+  return X * s, A * s**2
 
 
-def precondition(x: jax.Array, preconditioning: str, eps: float,
-                 precision: str, axis_name=None,
-                 add_eps: bool = False) -> jax.Array:
+def precondition(
+  x: jax.Array,
+  preconditioning: str,
+  eps: float,
+  precision: str,
+  axis_name=None,
+  add_eps: bool = False,
+) -> jax.Array:
   r"""Scales each matrix of ``x`` so that its singular values are ≤ 1.
 
   ``"frobenius"``: ``X / ‖X‖_F`` (``normalize``); ``"spectral"``:
@@ -130,35 +153,65 @@ def precondition(x: jax.Array, preconditioning: str, eps: float,
   if preconditioning == "spectral":
     norm = jnp.linalg.norm(x, ord=2, axis=(-2, -1), keepdims=True)
     return x / ((norm + eps) if add_eps else jnp.maximum(norm, eps)).astype(
-        x.dtype)
-  A = _all_reduce(jax.lax.psum, matmul(x, conj_transpose(x), precision),
-                  axis_name)
+      x.dtype
+    )
+  A = _all_reduce(
+    jax.lax.psum, matmul(x, conj_transpose(x), precision), axis_name
+  )
   return gram_rescale(x, A, preconditioning, eps)[0]
 
 
-def precondition_and_iterate(x: jax.Array, table: np.ndarray, mode: str,
-                             steps, precision: str, preconditioning: str,
-                             eps: float, add_eps: bool = False,
-                             axis_name=None) -> jax.Array:
+def precondition_and_iterate(
+  x: jax.Array,
+  table: np.ndarray,
+  mode: str,
+  steps,
+  precision: str,
+  preconditioning: str,
+  eps: float,
+  add_eps: bool = False,
+  axis_name=None,
+) -> jax.Array:
   """``iterate`` on ``x`` preconditioned by ``preconditioning``; AOL and
   Schatten scale ``x`` inside the first step, reusing its ``X Xᴴ``."""
   if preconditioning in GRAM_RESCALINGS:
-    return iterate(x, table, mode, steps, precision, axis_name,
-                   rescale=preconditioning, eps=eps)
-  return iterate(precondition(x, preconditioning, eps, precision, axis_name,
-                              add_eps), table, mode, steps, precision,
-                 axis_name)
+    return iterate(
+      x,
+      table,
+      mode,
+      steps,
+      precision,
+      axis_name,
+      rescale=preconditioning,
+      eps=eps,
+    )
+  return iterate(
+    precondition(x, preconditioning, eps, precision, axis_name, add_eps),
+    table,
+    mode,
+    steps,
+    precision,
+    axis_name,
+  )
 
 
 def _is_cubic(table) -> bool:
   """Whether every ``c`` is 0 (a traced table, from a state, is not known)."""
-  return not _checks.is_traced(table) and bool(np.all(np.asarray(table)[:, 2]
-                                                      == 0))
+  return not _checks.is_traced(table) and bool(
+    np.all(np.asarray(table)[:, 2] == 0)
+  )
 
 
-def iterate(x: jax.Array, table: np.ndarray, mode: str, steps,
-            precision: str, axis_name=None, rescale: str | None = None,
-            eps: float = 0.0) -> jax.Array:
+def iterate(
+  x: jax.Array,
+  table: np.ndarray,
+  mode: str,
+  steps,
+  precision: str,
+  axis_name=None,
+  rescale: str | None = None,
+  eps: float = 0.0,
+) -> jax.Array:
   """Runs ``steps`` Newton–Schulz steps on normalized ``x``.
 
   ``x`` is wide (m ≤ n) for the fewest FLOPs, though any orientation gives the
@@ -176,8 +229,9 @@ def iterate(x: jax.Array, table: np.ndarray, mode: str, steps,
 
   def step(i, X, rescale=None):
     a, b, c = rows[coefficients_lib.schedule_index(i, len(table), mode, jnp)]
-    A = _all_reduce(jax.lax.psum, matmul(X, conj_transpose(X), precision),
-                    axis_name)
+    A = _all_reduce(
+      jax.lax.psum, matmul(X, conj_transpose(X), precision), axis_name
+    )
     if rescale is not None:
       X, A = gram_rescale(X, A, rescale, eps)
     B = b * A if cubic else b * A + matmul(c * A, A, precision)
@@ -196,8 +250,14 @@ def gram_saves_flops(m: int, n: int) -> bool:
   return max(m, n) >= GRAM_MIN_ASPECT * min(m, n)
 
 
-def iterate_gram(x: jax.Array, table: np.ndarray, mode: str, steps,
-                 precision: str, restart: int = 1) -> jax.Array:
+def iterate_gram(
+  x: jax.Array,
+  table: np.ndarray,
+  mode: str,
+  steps,
+  precision: str,
+  restart: int = 1,
+) -> jax.Array:
   """``iterate`` on the m×m Gram matrix: the same polynomial, fewer FLOPs.
 
   Every iterate is ``X_k = Q_k X_0`` with ``Q_k`` a polynomial of
@@ -230,15 +290,18 @@ def iterate_gram(x: jax.Array, table: np.ndarray, mode: str, steps,
   def step(i, QR):
     Q, R = QR
     P = polynomial(i, R)
-    return matmul(P, Q, precision), matmul(P, matmul(R, P, precision), precision)
+    return matmul(P, Q, precision), matmul(
+      P, matmul(R, P, precision), precision
+    )
 
   gram = lambda x: matmul(x, conj_transpose(x), precision)
   if _checks.is_traced(steps):
     # Q starts at I, so a segment of no steps leaves x as it is.
     for start, stop in ((0, jnp.minimum(restart, steps)), (restart, steps)):
       Q = jnp.broadcast_to(eye, x.shape[:-1] + x.shape[-2:-1])
-      Q, _ = jax.lax.fori_loop(start, jnp.maximum(stop, start), step,
-                               (Q, gram(x)))
+      Q, _ = jax.lax.fori_loop(
+        start, jnp.maximum(stop, start), step, (Q, gram(x))
+      )
       x = matmul(Q, x, precision)
     return x
   # The first step of a segment starts from Q = I and its last needs no new
@@ -256,20 +319,30 @@ def iterate_gram(x: jax.Array, table: np.ndarray, mode: str, steps,
   return x
 
 
-def gram_flops(m: int, n: int, steps: int, restart: int = 1,
-               cubic: bool = False) -> float:
+def gram_flops(
+  m: int, n: int, steps: int, restart: int = 1, cubic: bool = False
+) -> float:
   """FLOPs of ``iterate_gram`` on an m×n matrix (m ≤ n), for comparisons."""
   m, n = min(m, n), max(m, n)
   flops = 0
   for count in (min(restart, steps), steps - restart):
     if count > 0:  # X Xᵀ, Q X; R² a step; P Q and P R P but at the ends
-      flops += (4 * m * m * n + (0 if cubic else 2 * m ** 3) * count +
-                6 * m ** 3 * (count - 1))
+      flops += (
+        4 * m * m * n
+        + (0 if cubic else 2 * m**3) * count
+        + 6 * m**3 * (count - 1)
+      )
   return flops
 
 
-def newton_schulz(x: jax.Array, *, coefficients="quintic", steps=5,
-                  precision: str = "highest", eps: float = 1e-30) -> jax.Array:
+def newton_schulz(
+  x: jax.Array,
+  *,
+  coefficients="quintic",
+  steps=5,
+  precision: str = "highest",
+  eps: float = 1e-30,
+) -> jax.Array:
   r"""Approximately orthogonalizes each matrix of ``x`` (its polar factor).
 
   For each ``m × n`` matrix ``G`` (the last two axes; leading axes are
@@ -302,7 +375,9 @@ def newton_schulz(x: jax.Array, *, coefficients="quintic", steps=5,
   _checks.check_choice("precision", precision, PRECISIONS)
   _checks.check_range("eps", eps, 0.0, np.inf)
   if x.ndim < 2:
-    raise ValueError(f"newton_schulz needs x of shape (..., m, n), got {x.shape}")
+    raise ValueError(
+      f"newton_schulz needs x of shape (..., m, n), got {x.shape}"
+    )
   check_precision_for(x.dtype, precision)
   tall = x.shape[-2] > x.shape[-1]
   X = x.astype(working_dtype(x.dtype))

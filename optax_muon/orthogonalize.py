@@ -57,11 +57,18 @@ def _wide(matrix: jax.Array) -> jax.Array:
   return jnp.swapaxes(matrix, -1, -2) if tall else matrix
 
 
-def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
-                           mode: str, steps, precision: str, eps,
-                           preconditioning: str = "frobenius",
-                           add_eps: bool = False, method: str = "standard",
-                           distribute_axis: str | None = None) -> list[jax.Array]:
+def _orthogonalize_grouped(
+  matrices: list[jax.Array],
+  table: np.ndarray,
+  mode: str,
+  steps,
+  precision: str,
+  eps,
+  preconditioning: str = "frobenius",
+  add_eps: bool = False,
+  method: str = "standard",
+  distribute_axis: str | None = None,
+) -> list[jax.Array]:
   """NS of each ``(batch, m, n)`` array, one batched loop per stack.
 
   With ``distribute_axis`` (inside ``shard_map``), each rank of that mesh axis
@@ -82,16 +89,25 @@ def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
       padded = -(-count // ranks) * ranks
       stack = jnp.pad(stack, ((0, padded - count), (0, 0), (0, 0)))
       stack = jax.lax.dynamic_slice_in_dim(
-          stack, jax.lax.axis_index(distribute_axis) * (padded // ranks),
-          padded // ranks)
+        stack,
+        jax.lax.axis_index(distribute_axis) * (padded // ranks),
+        padded // ranks,
+      )
     m, n = stack.shape[-2:]
     if method == "gram" and ns.gram_saves_flops(m, n):
-      stack = ns.iterate_gram(ns.precondition(stack, preconditioning, eps,
-                                              precision, add_eps=add_eps),
-                              table, mode, steps, precision)
+      stack = ns.iterate_gram(
+        ns.precondition(
+          stack, preconditioning, eps, precision, add_eps=add_eps
+        ),
+        table,
+        mode,
+        steps,
+        precision,
+      )
     else:
-      stack = ns.precondition_and_iterate(stack, table, mode, steps, precision,
-                                          preconditioning, eps, add_eps)
+      stack = ns.precondition_and_iterate(
+        stack, table, mode, steps, precision, preconditioning, eps, add_eps
+      )
     if distribute_axis is not None:
       stack = jax.lax.all_gather(stack, distribute_axis, tiled=True)[:count]
     offsets = np.cumsum([0] + [x.shape[0] for x in inputs])
@@ -103,25 +119,49 @@ def _orthogonalize_grouped(matrices: list[jax.Array], table: np.ndarray,
   return results
 
 
-def _distributed_newton_schulz(matrices, axis_name, table, mode, steps,
-                               precision, eps, preconditioning="frobenius",
-                               add_eps=False):
+def _distributed_newton_schulz(
+  matrices,
+  axis_name,
+  table,
+  mode,
+  steps,
+  precision,
+  eps,
+  preconditioning="frobenius",
+  add_eps=False,
+):
   """NS of matrices whose columns are split over ``axis_name`` (shard_map)."""
   out = []
   for matrix in matrices:
     x = ns.precondition_and_iterate(
-        matrix.astype(ns.working_dtype(matrix.dtype)), table, mode, steps,
-        precision, preconditioning, eps, add_eps, axis_name)
+      matrix.astype(ns.working_dtype(matrix.dtype)),
+      table,
+      mode,
+      steps,
+      precision,
+      preconditioning,
+      eps,
+      add_eps,
+      axis_name,
+    )
     out.append(x.astype(matrix.dtype))
   return out
 
 
-def orthogonalize(*, coefficients="quintic", steps=5,
-                  precision: str = "highest", method: str = "standard",
-                  dimension_numbers=None, split_qkv=None, split_gate_up=None,
-                  sharding=None,
-                  eps=1e-30, preconditioning: str = "frobenius",
-                  add_eps: bool = False) -> optax.GradientTransformation:
+def orthogonalize(
+  *,
+  coefficients="quintic",
+  steps=5,
+  precision: str = "highest",
+  method: str = "standard",
+  dimension_numbers=None,
+  split_qkv=None,
+  split_gate_up=None,
+  sharding=None,
+  eps=1e-30,
+  preconditioning: str = "frobenius",
+  add_eps: bool = False,
+) -> optax.GradientTransformation:
   r"""Replaces each matrix of the updates by its Newton–Schulz polar factor.
 
   Each leaf is viewed as a batch of matrices ``G`` (``fan_in × fan_out``; see
@@ -167,28 +207,44 @@ def orthogonalize(*, coefficients="quintic", steps=5,
   if not isinstance(add_eps, bool):
     raise TypeError(f"add_eps must be a bool, got {add_eps!r}")
   sharding_lib.check_sharding(sharding)
-  if (preconditioning == "spectral" and sharding is not None and
-      sharding.mode == "distributed"):
+  if (
+    preconditioning == "spectral"
+    and sharding is not None
+    and sharding.mode == "distributed"
+  ):
     raise ValueError(
-        "preconditioning='spectral' needs each whole matrix (an SVD), but "
-        "sharding.mode='distributed' keeps matrices split; accepted: "
-        "preconditioning in ['frobenius', 'aol', 'schatten'] with that mode, "
-        "or sharding.mode in ['blockwise', 'duplicated', 'allgather']")
-  resolve_views = layout.view_resolver(dimension_numbers, split_qkv,
-                                       split_gate_up)
-  settings = dict(table=table, mode=mode, steps=steps, precision=precision,
-                  eps=eps, preconditioning=preconditioning, add_eps=add_eps)
+      "preconditioning='spectral' needs each whole matrix (an SVD), but "
+      "sharding.mode='distributed' keeps matrices split; accepted: "
+      "preconditioning in ['frobenius', 'aol', 'schatten'] with that mode, "
+      "or sharding.mode in ['blockwise', 'duplicated', 'allgather']"
+    )
+  resolve_views = layout.view_resolver(
+    dimension_numbers, split_qkv, split_gate_up
+  )
+  settings = dict(
+    table=table,
+    mode=mode,
+    steps=steps,
+    precision=precision,
+    eps=eps,
+    preconditioning=preconditioning,
+    add_eps=add_eps,
+  )
   grouped = dict(settings, method=method)
 
   def check_dtypes(views):
     for path, leaf, _ in views:
-      ns.check_precision_for(jnp.result_type(leaf), precision,
-                             f"leaf {_paths.path_string(path) or '<root>'}")
+      ns.check_precision_for(
+        jnp.result_type(leaf),
+        precision,
+        f"leaf {_paths.path_string(path) or '<root>'}",
+      )
 
   def init_fn(params):
     check_dtypes(resolve_views(params))  # bad layouts or dtypes raise here
-    if sharding is not None and (sharding.specs is not None or
-                                 sharding._explicit()):
+    if sharding is not None and (
+      sharding.specs is not None or sharding._explicit()
+    ):
       sharding.leaf_specs(params)  # and bad specs here
     return optax.EmptyState()
 
@@ -198,17 +254,23 @@ def orthogonalize(*, coefficients="quintic", steps=5,
     check_dtypes(views)
     if sharding is not None:
       leaves = sharding_lib.orthogonalize_sharded(
-          [leaf for _, leaf, _ in views], [view for _, _, view in views],
-          sharding, sharding.leaf_specs(updates),
-          lambda ms, axis: _orthogonalize_grouped(ms, distribute_axis=axis,
-                                                  **grouped),
-          lambda ms, axis: _distributed_newton_schulz(ms, axis, **settings))
+        [leaf for _, leaf, _ in views],
+        [view for _, _, view in views],
+        sharding,
+        sharding.leaf_specs(updates),
+        lambda ms, axis: _orthogonalize_grouped(
+          ms, distribute_axis=axis, **grouped
+        ),
+        lambda ms, axis: _distributed_newton_schulz(ms, axis, **settings),
+      )
       return jax.tree.unflatten(jax.tree.structure(updates), leaves), state
     pieces = [view.to_matrices(leaf) for _, leaf, view in views]
     flat = [m for leaf_pieces in pieces for m in leaf_pieces]
     flat = iter(_orthogonalize_grouped(flat, **grouped))
-    new_leaves = [view.from_matrices([next(flat) for _ in leaf_pieces])
-                  for (_, _, view), leaf_pieces in zip(views, pieces)]
+    new_leaves = [
+      view.from_matrices([next(flat) for _ in leaf_pieces])
+      for (_, _, view), leaf_pieces in zip(views, pieces)
+    ]
     treedef = jax.tree.structure(updates)
     return jax.tree.unflatten(treedef, new_leaves), state
 

@@ -10,7 +10,8 @@ that is steepest descent under the spectral norm, where Muon (no scale) is
 its linear-minimization form. No shape scale.
 """
 
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,8 @@ import optax
 from optax_muon import _checks
 from optax_muon import alias
 from optax_muon import layout as layout_lib
+
 # the functions by their own modules: the package's names are the functions
-from optax_muon.momentum import MOMENTUM_STYLES
 from optax_muon.momentum import momentum as momentum_transform
 from optax_muon.orthogonalize import orthogonalize as orthogonalize_transform
 
@@ -29,12 +30,19 @@ class PolarGradState(NamedTuple):
   momentum: Any
 
 
-def scale_by_polargrad(*, beta=0.95, nesterov: bool = False,
-                       momentum_style: str = "ema", mu_dtype=None,
-                       coefficients="quintic", steps=5,
-                       precision: str = "highest", extra_scale_factor=1.0,
-                       dimension_numbers=None, layout=None
-                       ) -> optax.GradientTransformation:
+def scale_by_polargrad(
+  *,
+  beta=0.95,
+  nesterov: bool = False,
+  momentum_style: str = "ema",
+  mu_dtype=None,
+  coefficients="quintic",
+  steps=5,
+  precision: str = "highest",
+  extra_scale_factor=1.0,
+  dimension_numbers=None,
+  layout=None,
+) -> optax.GradientTransformation:
   r"""PolarGrad's direction: ``⟨O, u⟩ · extra · O`` per matrix (see the
   module docstring).
 
@@ -52,11 +60,15 @@ def scale_by_polargrad(*, beta=0.95, nesterov: bool = False,
   """
   _checks.check_positive("extra_scale_factor", extra_scale_factor)
   _, dimension_numbers = alias.from_layout(layout, None, dimension_numbers)
-  momentum = momentum_transform(beta, nesterov=nesterov,
-                                   style=momentum_style, dtype=mu_dtype)
+  momentum = momentum_transform(
+    beta, nesterov=nesterov, style=momentum_style, dtype=mu_dtype
+  )
   orthogonalize = orthogonalize_transform(
-      coefficients=coefficients, steps=steps, precision=precision,
-      dimension_numbers=dimension_numbers)
+    coefficients=coefficients,
+    steps=steps,
+    precision=precision,
+    dimension_numbers=dimension_numbers,
+  )
   resolve_views = layout_lib.view_resolver(dimension_numbers)
 
   def init_fn(params):
@@ -69,26 +81,43 @@ def scale_by_polargrad(*, beta=0.95, nesterov: bool = False,
     orthogonal, _ = orthogonalize.update(directions, optax.EmptyState())
     treedef = jax.tree.structure(updates)
     scaled = []
-    for (_, o, view), u in zip(resolve_views(orthogonal),
-                               treedef.flatten_up_to(directions)):
+    for (_, o, view), u in zip(
+      resolve_views(orthogonal), treedef.flatten_up_to(directions)
+    ):
       (o_matrices,), (u_matrices,) = view.to_matrices(o), view.to_matrices(u)
-      scale = jnp.sum(o_matrices.astype(jnp.float32) *
-                      u_matrices.astype(jnp.float32), axis=(-2, -1),
-                      keepdims=True)
-      scaled.append(view.from_matrices(
-          [(o_matrices * scale * extra_scale_factor).astype(o.dtype)]))
-    return (jax.tree.unflatten(treedef, scaled),
-            PolarGradState(momentum_state))
+      scale = jnp.sum(
+        o_matrices.astype(jnp.float32) * u_matrices.astype(jnp.float32),
+        axis=(-2, -1),
+        keepdims=True,
+      )
+      scaled.append(
+        view.from_matrices(
+          [(o_matrices * scale * extra_scale_factor).astype(o.dtype)]
+        )
+      )
+    return (jax.tree.unflatten(treedef, scaled), PolarGradState(momentum_state))
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def polargrad(learning_rate, *, beta=0.95, nesterov: bool = False,
-              momentum_style: str = "ema", mu_dtype=None,
-              coefficients="quintic", steps=5, precision: str = "highest",
-              extra_scale_factor=1.0, dimension_numbers=None, layout=None,
-              weight_decay=0.0, weight_decay_mask=None, labels=None,
-              **scalar_kwargs) -> optax.GradientTransformation:
+def polargrad(
+  learning_rate,
+  *,
+  beta=0.95,
+  nesterov: bool = False,
+  momentum_style: str = "ema",
+  mu_dtype=None,
+  coefficients="quintic",
+  steps=5,
+  precision: str = "highest",
+  extra_scale_factor=1.0,
+  dimension_numbers=None,
+  layout=None,
+  weight_decay=0.0,
+  weight_decay_mask=None,
+  labels=None,
+  **scalar_kwargs,
+) -> optax.GradientTransformation:
   r"""PolarGrad for the matrices, AdamW for the rest: ``om.muon``'s routing
   with ``scale_by_polargrad`` as the direction;
   ``p ← p − lr · (scale_by_polargrad(g) + weight_decay · p)``.
@@ -101,13 +130,25 @@ def polargrad(learning_rate, *, beta=0.95, nesterov: bool = False,
   Returns:
     An ``optax.GradientTransformation``.
   """
-  labels, dimension_numbers = alias.from_layout(layout, labels,
-                                                dimension_numbers)
+  labels, dimension_numbers = alias.from_layout(
+    layout, labels, dimension_numbers
+  )
   direction = scale_by_polargrad(
-      beta=beta, nesterov=nesterov, momentum_style=momentum_style,
-      mu_dtype=mu_dtype, coefficients=coefficients, steps=steps,
-      precision=precision, extra_scale_factor=extra_scale_factor,
-      dimension_numbers=dimension_numbers)
-  return alias.route(direction, learning_rate, weight_decay=weight_decay,
-                     weight_decay_mask=weight_decay_mask, labels=labels,
-                     **scalar_kwargs)
+    beta=beta,
+    nesterov=nesterov,
+    momentum_style=momentum_style,
+    mu_dtype=mu_dtype,
+    coefficients=coefficients,
+    steps=steps,
+    precision=precision,
+    extra_scale_factor=extra_scale_factor,
+    dimension_numbers=dimension_numbers,
+  )
+  return alias.route(
+    direction,
+    learning_rate,
+    weight_decay=weight_decay,
+    weight_decay_mask=weight_decay_mask,
+    labels=labels,
+    **scalar_kwargs,
+  )

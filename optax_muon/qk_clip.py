@@ -27,7 +27,8 @@ leading axes of ``max_logits`` (``(..., num_heads)``).
 """
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,12 +41,16 @@ from optax_muon import layout
 
 
 def _check_heads(num_heads, num_kv_heads, head_dim) -> None:
-  for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
-                      ("head_dim", head_dim)):
+  for name, value in (
+    ("num_heads", num_heads),
+    ("num_kv_heads", num_kv_heads),
+    ("head_dim", head_dim),
+  ):
     _checks.check_int(name, value, minimum=1)
   if num_heads % num_kv_heads:
-    raise ValueError(f"num_kv_heads={num_kv_heads} must divide "
-                     f"num_heads={num_heads}")
+    raise ValueError(
+      f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}"
+    )
 
 
 def _check_clip(threshold, alpha) -> None:
@@ -53,8 +58,9 @@ def _check_clip(threshold, alpha) -> None:
   _checks.check_range("alpha", alpha, 0.0, 1.0 + 1e-12)
 
 
-def group_scales(max_logits, threshold, alpha, num_heads: int,
-                 num_kv_heads: int):
+def group_scales(
+  max_logits, threshold, alpha, num_heads: int, num_kv_heads: int
+):
   """Per query head and per key head factors, and which groups are clipped.
 
   Returns:
@@ -64,16 +70,18 @@ def group_scales(max_logits, threshold, alpha, num_heads: int,
   """
   max_logits = jnp.asarray(max_logits, jnp.float32)
   if max_logits.shape[-1:] != (num_heads,):
-    raise ValueError(f"max_logits must have num_heads={num_heads} entries on "
-                     f"its last axis, got shape {max_logits.shape}")
+    raise ValueError(
+      f"max_logits must have num_heads={num_heads} entries on "
+      f"its last axis, got shape {max_logits.shape}"
+    )
   per_group = num_heads // num_kv_heads
   group_max = max_logits.reshape(
-      max_logits.shape[:-1] + (num_kv_heads, per_group)).max(axis=-1)
+    max_logits.shape[:-1] + (num_kv_heads, per_group)
+  ).max(axis=-1)
   clipped = group_max > threshold
   eta = jnp.where(clipped, threshold / jnp.where(clipped, group_max, 1.0), 1.0)
   k_scale = jnp.where(clipped, eta ** (1.0 - alpha), 1.0)
-  q_scale = jnp.repeat(jnp.where(clipped, eta ** alpha, 1.0), per_group,
-                       axis=-1)
+  q_scale = jnp.repeat(jnp.where(clipped, eta**alpha, 1.0), per_group, axis=-1)
   return q_scale, k_scale, clipped, eta
 
 
@@ -82,8 +90,9 @@ def group_scales(max_logits, threshold, alpha, num_heads: int,
 Q, K, V, Q_ROPE = 0, 1, 2, 3
 
 
-def column_map(num_heads: int, num_kv_heads: int, head_dim: int,
-               part: str) -> np.ndarray:
+def column_map(
+  num_heads: int, num_kv_heads: int, head_dim: int, part: str
+) -> np.ndarray:
   """``(kind, head, group)`` of each output column of a kernel, ``(3, width)``.
 
   ``part`` is ``"q"``, ``"k"`` or a ``SplitQKV`` layout (``"grouped"``:
@@ -97,24 +106,37 @@ def column_map(num_heads: int, num_kv_heads: int, head_dim: int,
     group = heads // per_group if kind == Q else heads
     return np.stack([np.full_like(heads, kind), heads, group])
 
-  query = lambda groups: columns(Q, np.concatenate(
-      [np.arange(g * per_group, (g + 1) * per_group) for g in groups]))
+  query = lambda groups: columns(
+    Q,
+    np.concatenate(
+      [np.arange(g * per_group, (g + 1) * per_group) for g in groups]
+    ),
+  )
   if part == "q":
     return query(range(num_kv_heads))
   if part == "k":
     return columns(K, np.arange(num_kv_heads))
   if part == "grouped":
-    return np.concatenate([np.concatenate([query([g]), columns(K, [g]),
-                                           columns(V, [g])], axis=1)
-                           for g in range(num_kv_heads)], axis=1)
+    return np.concatenate(
+      [
+        np.concatenate([query([g]), columns(K, [g]), columns(V, [g])], axis=1)
+        for g in range(num_kv_heads)
+      ],
+      axis=1,
+    )
   groups = np.arange(num_kv_heads)
-  return np.concatenate([query(groups), columns(K, groups), columns(V, groups)],
-                        axis=1)
+  return np.concatenate(
+    [query(groups), columns(K, groups), columns(V, groups)], axis=1
+  )
 
 
-def mla_column_map(num_heads: int, qk_nope_head_dim: int,
-                   qk_rope_head_dim: int, v_head_dim: int,
-                   part: str) -> np.ndarray:
+def mla_column_map(
+  num_heads: int,
+  qk_nope_head_dim: int,
+  qk_rope_head_dim: int,
+  v_head_dim: int,
+  part: str,
+) -> np.ndarray:
   """``column_map`` of an MLA kernel: ``part="q"`` is ``wq_b`` (or
   ``query``), per head ``[q_nope | q_rope]``; ``part="kv"`` is ``wkv_b``,
   per head ``[k_nope | v]`` (MaxText's and DeepSeek's order)."""
@@ -127,17 +149,30 @@ def mla_column_map(num_heads: int, qk_nope_head_dim: int,
   return np.stack([np.tile(kinds, num_heads), heads, heads])
 
 
-def column_factors(max_logits, columns: np.ndarray, threshold, alpha,
-                   num_heads: int, num_kv_heads: int):
+def column_factors(
+  max_logits,
+  columns: np.ndarray,
+  threshold,
+  alpha,
+  num_heads: int,
+  num_kv_heads: int,
+):
   """Each column's factor and whether its group is clipped, ``(..., width)``
   each, for the ``column_map`` ``columns``."""
-  q_scale, k_scale, clipped, eta = group_scales(max_logits, threshold, alpha,
-                                                num_heads, num_kv_heads)
+  q_scale, k_scale, clipped, eta = group_scales(
+    max_logits, threshold, alpha, num_heads, num_kv_heads
+  )
   kind, head, group = columns
   query_head = np.where((kind == Q) | (kind == Q_ROPE), head, 0)
-  factor = jnp.where(kind == Q, q_scale[..., query_head],
-                     jnp.where(kind == K, k_scale[..., group],
-                               jnp.where(kind == Q_ROPE, eta[..., group], 1.0)))
+  factor = jnp.where(
+    kind == Q,
+    q_scale[..., query_head],
+    jnp.where(
+      kind == K,
+      k_scale[..., group],
+      jnp.where(kind == Q_ROPE, eta[..., group], 1.0),
+    ),
+  )
   return factor, (kind != V) & clipped[..., group]
 
 
@@ -150,13 +185,23 @@ def _by_column(values, kernel):
   if kernel.ndim == lead + 3:
     return values.reshape(values.shape[:-1] + (1,) + kernel.shape[-2:])
   raise ValueError(
-      f"a kernel of shape {kernel.shape} does not match max_logits with "
-      f"{lead} leading axes: expected (..., in, heads·head_dim) or "
-      "(..., in, heads, head_dim)")
+    f"a kernel of shape {kernel.shape} does not match max_logits with "
+    f"{lead} leading axes: expected (..., in, heads·head_dim) or "
+    "(..., in, heads, head_dim)"
+  )
 
 
-def clip_qk(q_kernel, k_kernel, max_logits, *, threshold=100.0, alpha=0.5,
-            num_heads: int, num_kv_heads: int, head_dim: int):
+def clip_qk(
+  q_kernel,
+  k_kernel,
+  max_logits,
+  *,
+  threshold=100.0,
+  alpha=0.5,
+  num_heads: int,
+  num_kv_heads: int,
+  head_dim: int,
+):
   r"""Rescales the query and key kernels of groups whose logits exceed τ.
 
   For each query group ``g`` with ``S_g = max_{h∈g} max_logits[h] > τ`` and
@@ -185,31 +230,52 @@ def clip_qk(q_kernel, k_kernel, max_logits, *, threshold=100.0, alpha=0.5,
   _check_heads(num_heads, num_kv_heads, head_dim)
   _check_clip(threshold, alpha)
   return tuple(
-      _rescale(kernel, max_logits,
-               column_map(num_heads, num_kv_heads, head_dim, part),
-               threshold, alpha, num_heads, num_kv_heads)
-      for kernel, part in ((q_kernel, "q"), (k_kernel, "k")))
+    _rescale(
+      kernel,
+      max_logits,
+      column_map(num_heads, num_kv_heads, head_dim, part),
+      threshold,
+      alpha,
+      num_heads,
+      num_kv_heads,
+    )
+    for kernel, part in ((q_kernel, "q"), (k_kernel, "k"))
+  )
 
 
-def _rescale(kernel, max_logits, columns, threshold, alpha, num_heads,
-             num_kv_heads):
-  factor, _ = column_factors(max_logits, columns, threshold, alpha, num_heads,
-                             num_kv_heads)
+def _rescale(
+  kernel, max_logits, columns, threshold, alpha, num_heads, num_kv_heads
+):
+  factor, _ = column_factors(
+    max_logits, columns, threshold, alpha, num_heads, num_kv_heads
+  )
   return (kernel * _by_column(factor, kernel).astype(kernel.dtype)).astype(
-      kernel.dtype)
+    kernel.dtype
+  )
 
 
 def _check_mla(num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
-  for name, value in (("num_heads", num_heads),
-                      ("qk_nope_head_dim", qk_nope_head_dim),
-                      ("v_head_dim", v_head_dim)):
+  for name, value in (
+    ("num_heads", num_heads),
+    ("qk_nope_head_dim", qk_nope_head_dim),
+    ("v_head_dim", v_head_dim),
+  ):
     _checks.check_int(name, value, minimum=1)
   _checks.check_int("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
 
 
-def clip_mla_qk(q_kernel, kv_kernel, max_logits, *, threshold=100.0,
-                alpha=0.5, num_heads: int, qk_nope_head_dim: int,
-                qk_rope_head_dim: int, v_head_dim: int):
+def clip_mla_qk(
+  q_kernel,
+  kv_kernel,
+  max_logits,
+  *,
+  threshold=100.0,
+  alpha=0.5,
+  num_heads: int,
+  qk_nope_head_dim: int,
+  qk_rope_head_dim: int,
+  v_head_dim: int,
+):
   r"""QK-clip of one multi-head latent attention (MLA) layer.
 
   For each head ``h`` with ``S_h = max_logits[h] > τ`` and ``η = τ / S_h``:
@@ -248,15 +314,24 @@ def clip_mla_qk(q_kernel, kv_kernel, max_logits, *, threshold=100.0,
   _check_clip(threshold, alpha)
   dims = (num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
   return tuple(
-      _rescale(kernel, max_logits, mla_column_map(*dims, part), threshold,
-               alpha, num_heads, num_heads)
-      for kernel, part in ((q_kernel, "q"), (kv_kernel, "kv")))
+    _rescale(
+      kernel,
+      max_logits,
+      mla_column_map(*dims, part),
+      threshold,
+      alpha,
+      num_heads,
+      num_heads,
+    )
+    for kernel, part in ((q_kernel, "q"), (kv_kernel, "kv"))
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layer:
   """One attention layer: its kernels, each with its ``column_map``, and its
   head counts."""
+
   name: str
   parts: tuple[tuple[tuple[str, ...], np.ndarray], ...]
   num_heads: int
@@ -268,10 +343,17 @@ def _as_path(path) -> tuple[str, ...]:
 
 
 _MHA_KEYS = ("q", "k", "num_heads", "num_kv_heads", "head_dim")
-_MLA_KEYS = ("q", "kv", "num_heads", "qk_nope_head_dim", "qk_rope_head_dim",
-             "v_head_dim")
-_ACCEPTED = (f"{list(_MHA_KEYS)}, ['qkv', 'split_qkv'] or (MLA) "
-             f"{list(_MLA_KEYS)}")
+_MLA_KEYS = (
+  "q",
+  "kv",
+  "num_heads",
+  "qk_nope_head_dim",
+  "qk_rope_head_dim",
+  "v_head_dim",
+)
+_ACCEPTED = (
+  f"{list(_MHA_KEYS)}, ['qkv', 'split_qkv'] or (MLA) {list(_MLA_KEYS)}"
+)
 
 
 def _layer(name: str, spec: Mapping[str, Any]) -> _Layer:
@@ -279,12 +361,24 @@ def _layer(name: str, spec: Mapping[str, Any]) -> _Layer:
   if "qkv" in spec:
     split = spec.get("split_qkv")
     if not isinstance(split, layout.SplitQKV):
-      raise ValueError(f"{where} has 'qkv' and needs 'split_qkv': a "
-                       f"SplitQKV with its head counts, got {split!r}")
+      raise ValueError(
+        f"{where} has 'qkv' and needs 'split_qkv': a "
+        f"SplitQKV with its head counts, got {split!r}"
+      )
     keys = ("qkv", "split_qkv")
-    layer = _Layer(name, ((_as_path(spec["qkv"]), column_map(
-        split.num_heads, split.num_kv_heads, split.head_dim, split.layout)),),
-                   split.num_heads, split.num_kv_heads)
+    layer = _Layer(
+      name,
+      (
+        (
+          _as_path(spec["qkv"]),
+          column_map(
+            split.num_heads, split.num_kv_heads, split.head_dim, split.layout
+          ),
+        ),
+      ),
+      split.num_heads,
+      split.num_kv_heads,
+    )
   else:
     keys = _MLA_KEYS if "kv" in spec else _MHA_KEYS
     missing = [key for key in keys if key not in spec]
@@ -293,32 +387,50 @@ def _layer(name: str, spec: Mapping[str, Any]) -> _Layer:
     if "kv" in spec:
       dims = [spec[key] for key in _MLA_KEYS[2:]]
       _check_mla(*dims)
-      layer = _Layer(name, tuple((_as_path(spec[part]), mla_column_map(
-          *dims, part)) for part in ("q", "kv")), dims[0], dims[0])
+      layer = _Layer(
+        name,
+        tuple(
+          (_as_path(spec[part]), mla_column_map(*dims, part))
+          for part in ("q", "kv")
+        ),
+        dims[0],
+        dims[0],
+      )
     else:
       heads = [spec[key] for key in _MHA_KEYS[2:]]
       _check_heads(*heads)
-      layer = _Layer(name, tuple((_as_path(spec[part]), column_map(
-          *heads, part)) for part in ("q", "k")), heads[0], heads[1])
+      layer = _Layer(
+        name,
+        tuple(
+          (_as_path(spec[part]), column_map(*heads, part))
+          for part in ("q", "k")
+        ),
+        heads[0],
+        heads[1],
+      )
   unknown = set(spec) - set(keys)
   if unknown:
-    raise ValueError(f"{where} has unknown keys {sorted(unknown)}; accepted "
-                     f"keys: {_ACCEPTED}")
+    raise ValueError(
+      f"{where} has unknown keys {sorted(unknown)}; accepted keys: {_ACCEPTED}"
+    )
   return layer
 
 
 def _layers(attention: Mapping[str, Mapping[str, Any]]) -> list[_Layer]:
   if not isinstance(attention, Mapping) or not attention:
-    raise ValueError("attention must be a non-empty dict from a layer name to "
-                     "{'q': path, 'k': path, 'num_heads', 'num_kv_heads', "
-                     "'head_dim'}, {'qkv': path, 'split_qkv': SplitQKV(...)} "
-                     "or, for MLA, {'q': path, 'kv': path, 'num_heads', "
-                     "'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim'}")
+    raise ValueError(
+      "attention must be a non-empty dict from a layer name to "
+      "{'q': path, 'k': path, 'num_heads', 'num_kv_heads', "
+      "'head_dim'}, {'qkv': path, 'split_qkv': SplitQKV(...)} "
+      "or, for MLA, {'q': path, 'kv': path, 'num_heads', "
+      "'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim'}"
+    )
   return [_layer(name, spec) for name, spec in attention.items()]
 
 
-def qk_clip(threshold=100.0, alpha=0.5, *,
-            attention) -> optax.GradientTransformationExtraArgs:
+def qk_clip(
+  threshold=100.0, alpha=0.5, *, attention
+) -> optax.GradientTransformationExtraArgs:
   r"""QK-clip as the last transform of a chain (Megatron-Core's MuonClip).
 
   ``update(updates, state, params, max_logits=...)`` returns updates such
@@ -352,20 +464,25 @@ def qk_clip(threshold=100.0, alpha=0.5, *,
 
   def init_fn(params):
     for layer in layers:
-      _paths.check_paths_known(f"attention[{layer.name!r}]",
-                               [path for path, _ in layer.parts], params)
+      _paths.check_paths_known(
+        f"attention[{layer.name!r}]", [path for path, _ in layer.parts], params
+      )
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None, *, max_logits=None, **extra_args):
     del extra_args
     if params is None or max_logits is None:
-      raise ValueError("qk_clip needs the params and max_logits: call "
-                       "update(updates, state, params, max_logits={layer: "
-                       "(..., num_heads) array})")
+      raise ValueError(
+        "qk_clip needs the params and max_logits: call "
+        "update(updates, state, params, max_logits={layer: "
+        "(..., num_heads) array})"
+      )
     missing = [l.name for l in layers if l.name not in max_logits]
     if missing:
-      raise ValueError(f"max_logits has no entry for attention layers "
-                       f"{missing}; it has {sorted(max_logits)}")
+      raise ValueError(
+        f"max_logits has no entry for attention layers "
+        f"{missing}; it has {sorted(max_logits)}"
+      )
     leaves, treedef = _paths.leaves_with_paths(updates)
     index = {path: i for i, (path, _) in enumerate(leaves)}
     param_of = dict(_paths.leaves_with_paths(params)[0])
@@ -373,17 +490,27 @@ def qk_clip(threshold=100.0, alpha=0.5, *,
     for layer in layers:
       for path, columns in layer.parts:
         if path not in index:
-          raise ValueError(f"attention[{layer.name!r}] names "
-                           f"{'/'.join(path)!r}, which is not among the updates")
+          raise ValueError(
+            f"attention[{layer.name!r}] names "
+            f"{'/'.join(path)!r}, which is not among the updates"
+          )
         factor, clipped = column_factors(
-            max_logits[layer.name], columns, threshold, alpha,
-            layer.num_heads, layer.num_kv_heads)
+          max_logits[layer.name],
+          columns,
+          threshold,
+          alpha,
+          layer.num_heads,
+          layer.num_kv_heads,
+        )
         i, p = index[path], param_of[path]
         stepped = p + new[i]
         factor = _by_column(factor, stepped).astype(stepped.dtype)
         # unclipped columns keep the incoming update bit for bit
-        new[i] = jnp.where(_by_column(clipped, stepped),
-                           (stepped * factor - p).astype(new[i].dtype), new[i])
+        new[i] = jnp.where(
+          _by_column(clipped, stepped),
+          (stepped * factor - p).astype(new[i].dtype),
+          new[i],
+        )
     return jax.tree.unflatten(treedef, new), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -63,9 +63,14 @@ def adamw_rms_match_factor(beta1):
   return math.sqrt((1 - beta1) / (1 + beta1))
 
 
-def scale_by_shape(mode: str = "spectral", *, dimension_numbers=None,
-                   split_qkv=None, sharding=None, split_gate_up=None
-                   ) -> optax.GradientTransformation:
+def scale_by_shape(
+  mode: str = "spectral",
+  *,
+  dimension_numbers=None,
+  split_qkv=None,
+  sharding=None,
+  split_gate_up=None,
+) -> optax.GradientTransformation:
   r"""Scales each matrix of the updates by ``scale_factor`` of its shape.
 
   Stacked leaves are scaled per matrix and split QKV pieces each by their own
@@ -83,21 +88,25 @@ def scale_by_shape(mode: str = "spectral", *, dimension_numbers=None,
   """
   _checks.check_choice("mode", mode, SCALE_MODES)
   sharding_lib.check_sharding(sharding)
-  resolve_views = layout.view_resolver(dimension_numbers, split_qkv,
-                                       split_gate_up)
+  resolve_views = layout.view_resolver(
+    dimension_numbers, split_qkv, split_gate_up
+  )
 
   def init_fn(params):
     resolve_views(params)
     return optax.EmptyState()
 
   def scale_leaf(leaf, view, local):
-    factors = [scale_factor(fan_out, fan_in, mode)
-               for fan_in, fan_out in local.matrix_shapes]
+    factors = [
+      scale_factor(fan_out, fan_in, mode)
+      for fan_in, fan_out in local.matrix_shapes
+    ]
     if len(set(factors)) == 1:
       return leaf * jnp.asarray(factors[0], leaf.dtype)
     pieces = view.to_matrices(leaf)
-    return view.from_matrices([p * jnp.asarray(f, p.dtype)
-                               for p, f in zip(pieces, factors)])
+    return view.from_matrices(
+      [p * jnp.asarray(f, p.dtype) for p, f in zip(pieces, factors)]
+    )
 
   def update_fn(updates, state, params=None):
     del params
@@ -106,11 +115,15 @@ def scale_by_shape(mode: str = "spectral", *, dimension_numbers=None,
     if sharding is not None and sharding.mode == "blockwise":
       # blockwise orthogonalizes each shard alone: scale by the shard's shape
       local_views = [
-          sharding_lib.local_view(view, sharding_lib.local_shape(
-              view.shape, spec, sharding))
-          for view, spec in zip(views, sharding.leaf_specs(updates))]
-    leaves = [scale_leaf(leaf, view, local) for leaf, view, local in
-              zip(jax.tree.leaves(updates), views, local_views)]
+        sharding_lib.local_view(
+          view, sharding_lib.local_shape(view.shape, spec, sharding)
+        )
+        for view, spec in zip(views, sharding.leaf_specs(updates))
+      ]
+    leaves = [
+      scale_leaf(leaf, view, local)
+      for leaf, view, local in zip(jax.tree.leaves(updates), views, local_views)
+    ]
     return jax.tree.unflatten(jax.tree.structure(updates), leaves), state
 
   return optax.GradientTransformation(init_fn, update_fn)

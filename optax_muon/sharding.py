@@ -30,7 +30,8 @@ all-gathered.
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,7 @@ class TensorParallel:
       or ``None`` to read each traced array's sharding (Explicit meshes).
     distribute_over: a data-parallel mesh axis to split the work over, or None.
   """
+
   mesh: jax.sharding.Mesh
   axis: str = "model"
   mode: str = "duplicated"
@@ -65,27 +67,33 @@ class TensorParallel:
 
   def __post_init__(self):
     if not isinstance(self.mesh, jax.sharding.Mesh):
-      raise ValueError(f"sharding.mesh must be a jax.sharding.Mesh, got "
-                       f"{self.mesh!r}")
+      raise ValueError(
+        f"sharding.mesh must be a jax.sharding.Mesh, got {self.mesh!r}"
+      )
     names = list(self.mesh.axis_names)
     if self.axis not in names:
-      raise ValueError(f"sharding.axis={self.axis!r} is not a mesh axis; "
-                       f"accepted values: {names}")
+      raise ValueError(
+        f"sharding.axis={self.axis!r} is not a mesh axis; "
+        f"accepted values: {names}"
+      )
     _checks.check_choice("sharding.mode", self.mode, MODES)
     if self.distribute_over is not None and (
-        self.distribute_over not in names or self.distribute_over == self.axis):
+      self.distribute_over not in names or self.distribute_over == self.axis
+    ):
       raise ValueError(
-          f"sharding.distribute_over={self.distribute_over!r} must be a mesh "
-          f"axis other than {self.axis!r}; accepted values: "
-          f"{[n for n in names if n != self.axis] + [None]}")
+        f"sharding.distribute_over={self.distribute_over!r} must be a mesh "
+        f"axis other than {self.axis!r}; accepted values: "
+        f"{[n for n in names if n != self.axis] + [None]}"
+      )
 
   @property
   def size(self) -> int:
     return self.mesh.shape[self.axis]
 
   def _explicit(self) -> bool:
-    return all(t == jax.sharding.AxisType.Explicit
-               for t in self.mesh.axis_types)
+    return all(
+      t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types
+    )
 
   def leaf_specs(self, tree) -> list[tuple]:
     """Each leaf's spec as a tuple of mesh-axis tuples, one per array axis."""
@@ -102,36 +110,52 @@ class TensorParallel:
         spec = jax.typeof(leaf).sharding.spec
       else:
         raise ValueError(
-            f"sharding.specs is None but the mesh has Auto axes, so {where}'s "
-            "sharding is unknown while tracing; pass specs= (a tree of "
-            "PartitionSpec, or a callable such as nnx.get_partition_spec)")
+          f"sharding.specs is None but the mesh has Auto axes, so {where}'s "
+          "sharding is unknown while tracing; pass specs= (a tree of "
+          "PartitionSpec, or a callable such as nnx.get_partition_spec)"
+        )
       result.append(self._normalize(spec, jnp.shape(leaf), where))
     return result
 
   def _normalize(self, spec, shape, where) -> tuple:
     if len(spec) > len(shape):
-      raise ValueError(f"sharding spec {spec} of {where} has {len(spec)} "
-                       f"entries but the array has {len(shape)} axes")
+      raise ValueError(
+        f"sharding spec {spec} of {where} has {len(spec)} "
+        f"entries but the array has {len(shape)} axes"
+      )
     entries = []
-    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-      axes = () if entry is None else (entry,) if isinstance(entry, str) \
-          else tuple(entry)
+    for dim, entry in zip(
+      shape, tuple(spec) + (None,) * (len(shape) - len(spec))
+    ):
+      axes = (
+        ()
+        if entry is None
+        else (entry,)
+        if isinstance(entry, str)
+        else tuple(entry)
+      )
       for name in axes:
         if name not in self.mesh.axis_names:
-          raise ValueError(f"sharding spec {spec} of {where} names {name!r}, "
-                           f"not an axis of the mesh {list(self.mesh.axis_names)}")
+          raise ValueError(
+            f"sharding spec {spec} of {where} names {name!r}, "
+            f"not an axis of the mesh {list(self.mesh.axis_names)}"
+          )
       parts = math.prod(self.mesh.shape[a] for a in axes)
       if dim % parts:
-        raise ValueError(f"{where}: dimension {dim} is sharded {parts} ways by "
-                         f"{axes} in spec {spec}, which does not divide it")
+        raise ValueError(
+          f"{where}: dimension {dim} is sharded {parts} ways by "
+          f"{axes} in spec {spec}, which does not divide it"
+        )
       entries.append(axes)
     return tuple(entries)
 
 
 def check_sharding(sharding) -> None:
   if sharding is not None and not isinstance(sharding, TensorParallel):
-    raise ValueError(f"sharding={sharding!r} is not accepted; accepted "
-                     "values: None or optax_muon.TensorParallel(mesh, ...)")
+    raise ValueError(
+      f"sharding={sharding!r} is not accepted; accepted "
+      "values: None or optax_muon.TensorParallel(mesh, ...)"
+    )
 
 
 def local_view(view: layout.MatrixView, shape) -> layout.MatrixView:
@@ -143,18 +167,20 @@ def local_view(view: layout.MatrixView, shape) -> layout.MatrixView:
   groups = view.groups * ratio
   if groups != int(groups) or groups < 1:
     raise ValueError(
-        f"{'split_qkv' if len(view.widths) == 3 else 'split_gate_up'} cannot "
-        f"split an output-sharded fused shard of shape {tuple(shape)} into "
-        f"whole pieces ({view.groups} groups); use SplitQKV(layout='grouped') "
-        "with num_kv_heads divisible by the shards, SplitGateUp(groups=<the "
-        "shards>), or mode='duplicated'")
+      f"{'split_qkv' if len(view.widths) == 3 else 'split_gate_up'} cannot "
+      f"split an output-sharded fused shard of shape {tuple(shape)} into "
+      f"whole pieces ({view.groups} groups); use SplitQKV(layout='grouped') "
+      "with num_kv_heads divisible by the shards, SplitGateUp(groups=<the "
+      "shards>), or mode='duplicated'"
+    )
   return dataclasses.replace(local, groups=int(groups))
 
 
 def _own_chunk(x, axis_name, dim):
   size = x.shape[dim] // jax.lax.axis_size(axis_name)
   return jax.lax.dynamic_slice_in_dim(
-      x, jax.lax.axis_index(axis_name) * size, size, axis=dim)
+    x, jax.lax.axis_index(axis_name) * size, size, axis=dim
+  )
 
 
 def shares_out(members: int, ranks: int) -> bool:
@@ -176,6 +202,7 @@ class _WideMember:
   """A leaf of an ``allgather`` group, its axes ordered ``(batch, rows,
   columns)`` with ``rows ≤ columns``, so that leaves whose matrices are each
   other's transposes (an MLP's up and down kernels) stack together."""
+
   x: jax.Array
   view: layout.MatrixView
   tp_dim: int
@@ -198,25 +225,36 @@ class _WideMember:
 
   def wide_view(self, shape) -> layout.MatrixView:
     batch, rows = self.counts
-    return layout.MatrixView(tuple(shape), tuple(range(batch)),
-                             tuple(range(batch, batch + rows)),
-                             tuple(range(batch + rows, len(shape))))
+    return layout.MatrixView(
+      tuple(shape),
+      tuple(range(batch)),
+      tuple(range(batch, batch + rows)),
+      tuple(range(batch + rows, len(shape))),
+    )
 
   def unwide(self, wide: jax.Array) -> jax.Array:
-    return jnp.transpose(wide, tuple(sorted(range(len(self.order)),
-                                            key=self.order.__getitem__)))
+    return jnp.transpose(
+      wide, tuple(sorted(range(len(self.order)), key=self.order.__getitem__))
+    )
 
 
 @dataclasses.dataclass
 class _Job:
   """Matrices to orthogonalize locally and how to put their result back."""
+
   matrices: list
   finish: Callable
   replicated: bool  # the same on every rank of the distribute_over axis
 
 
-def orthogonalize_sharded(leaves, views, tp: TensorParallel, specs,
-                          orthogonalize_matrices, distributed_ns):
+def orthogonalize_sharded(
+  leaves,
+  views,
+  tp: TensorParallel,
+  specs,
+  orthogonalize_matrices,
+  distributed_ns,
+):
   """Orthogonalizes ``leaves`` (global arrays) under ``tp``; see the module.
 
   Args:
@@ -238,9 +276,13 @@ def orthogonalize_sharded(leaves, views, tp: TensorParallel, specs,
     """Gather the shard, orthogonalize the full matrix, keep this chunk."""
     full = jax.lax.all_gather(x, tp.axis, axis=tp_dim, tiled=True)
     full_view = local_view(view, full.shape)
-    return _Job(full_view.to_matrices(full),
-                lambda ms: finish(_own_chunk(full_view.from_matrices(ms),
-                                             tp.axis, tp_dim)), replicated)
+    return _Job(
+      full_view.to_matrices(full),
+      lambda ms: finish(
+        _own_chunk(full_view.from_matrices(ms), tp.axis, tp_dim)
+      ),
+      replicated,
+    )
 
   def body(*local_leaves):
     results, jobs, allgather_groups = [None] * len(local_leaves), [], {}
@@ -252,12 +294,14 @@ def orthogonalize_sharded(leaves, views, tp: TensorParallel, specs,
           if name != tp.axis:
             if len(spec[dim]) > 1:
               raise ValueError(
-                  f"a matrix axis sharded over {spec[dim]} together is not "
-                  "supported; shard it over the tensor-parallel axis alone")
+                f"a matrix axis sharded over {spec[dim]} together is not "
+                "supported; shard it over the tensor-parallel axis alone"
+              )
             x = jax.lax.all_gather(x, name, axis=dim, tiled=True)
             gathered.append((name, dim))
-      replicated = not any(tp.distribute_over in spec[d]
-                           for d in view.batch_axes)
+      replicated = not any(
+        tp.distribute_over in spec[d] for d in view.batch_axes
+      )
       tp_dims = [d for d in matrix_axes if tp.axis in spec[d]]
       tp_dim = tp_dims[0] if tp_dims else None
 
@@ -267,45 +311,62 @@ def orthogonalize_sharded(leaves, views, tp: TensorParallel, specs,
         results[index] = out
 
       mode = tp.mode
-      if tp_dim is not None and mode in ("distributed", "allgather") and (
-          view.widths):
+      if (
+        tp_dim is not None
+        and mode in ("distributed", "allgather")
+        and (view.widths)
+      ):
         mode = "duplicated"  # split QKV pieces are gathered per leaf
       if mode == "distributed" and tp_dim is not None:
-        sharded_side = (view.fan_in if tp_dim in view.reduction_axes
-                        else view.fan_out)
+        sharded_side = (
+          view.fan_in if tp_dim in view.reduction_axes else view.fan_out
+        )
         if sharded_side < max(view.fan_in, view.fan_out):
           # the Gram matrix would be of the long side: one gather moves less
           mode = "duplicated"
       if tp_dim is None or mode == "blockwise":
         local = local_view(view, x.shape)
-        jobs.append(_Job(local.to_matrices(x),
-                         lambda ms, v=local, f=finish: f(v.from_matrices(ms)),
-                         replicated))
+        jobs.append(
+          _Job(
+            local.to_matrices(x),
+            lambda ms, v=local, f=finish: f(v.from_matrices(ms)),
+            replicated,
+          )
+        )
       elif mode == "duplicated":
         jobs.append(duplicated_job(x, view, tp_dim, finish, replicated))
       elif mode == "distributed":
         local = local_view(view, x.shape)
         fan_in_sharded = tp_dim in view.reduction_axes
         # the sharded side becomes the columns: X Xᵀ sums over the shards
-        matrices = [jnp.swapaxes(m, -1, -2) if fan_in_sharded else m
-                    for m in local.to_matrices(x)]
+        matrices = [
+          jnp.swapaxes(m, -1, -2) if fan_in_sharded else m
+          for m in local.to_matrices(x)
+        ]
         out = distributed_ns(matrices, tp.axis)
-        finish(local.from_matrices([jnp.swapaxes(m, -1, -2) if fan_in_sharded
-                                    else m for m in out]))
+        finish(
+          local.from_matrices(
+            [jnp.swapaxes(m, -1, -2) if fan_in_sharded else m for m in out]
+          )
+        )
       else:
         member = _WideMember(x, view, tp_dim, finish, replicated)
         allgather_groups.setdefault(member.key, []).append(member)
 
     for members in allgather_groups.values():
       if not shares_out(len(members), tp.size):
-        jobs += [duplicated_job(m.x, m.view, m.tp_dim, m.finish, m.replicated)
-                 for m in members]
+        jobs += [
+          duplicated_job(m.x, m.view, m.tp_dim, m.finish, m.replicated)
+          for m in members
+        ]
         continue
       count = len(members)
       padded = -(-count // tp.size) * tp.size
       first = members[0]
-      stack = jnp.stack([m.wide for m in members] + [jnp.zeros_like(
-          first.wide)] * (padded - count))
+      stack = jnp.stack(
+        [m.wide for m in members]
+        + [jnp.zeros_like(first.wide)] * (padded - count)
+      )
       wide_dim = first.wide_tp_dim + 1  # the stack axis comes first
       whole = jax.lax.all_to_all(stack, tp.axis, 0, wide_dim, tiled=True)
       full_view = first.wide_view(whole.shape[1:])
@@ -313,13 +374,20 @@ def orthogonalize_sharded(leaves, views, tp: TensorParallel, specs,
 
       def put_back(ms, pieces=pieces, v=full_view, d=wide_dim, members=members):
         ms = iter(ms)
-        done = jnp.stack([v.from_matrices([next(ms) for _ in p]) for p in pieces])
+        done = jnp.stack(
+          [v.from_matrices([next(ms) for _ in p]) for p in pieces]
+        )
         back = jax.lax.all_to_all(done, tp.axis, d, 0, tiled=True)
         for member, wide in zip(members, back):
           member.finish(member.unwide(wide))
 
-      jobs.append(_Job([m for p in pieces for m in p], put_back,
-                       all(m.replicated for m in members)))
+      jobs.append(
+        _Job(
+          [m for p in pieces for m in p],
+          put_back,
+          all(m.replicated for m in members),
+        )
+      )
 
     # one grouped Newton–Schulz for everything that is local now
     for replicated in (True, False):
@@ -327,24 +395,28 @@ def orthogonalize_sharded(leaves, views, tp: TensorParallel, specs,
       flat = [m for j in selected for m in j.matrices]
       if not flat:
         continue
-      out = iter(orthogonalize_matrices(
-          flat, tp.distribute_over if replicated else None))
+      out = iter(
+        orthogonalize_matrices(flat, tp.distribute_over if replicated else None)
+      )
       for job in selected:
         job.finish([next(out) for _ in job.matrices])
     return tuple(results)
 
-  return jax.shard_map(body, mesh=tp.mesh, in_specs=in_specs,
-                       out_specs=in_specs, check_vma=False)(*leaves)
+  return jax.shard_map(
+    body, mesh=tp.mesh, in_specs=in_specs, out_specs=in_specs, check_vma=False
+  )(*leaves)
 
 
 def local_shape(shape, spec, tp: TensorParallel):
   """The shape of this rank's tensor-parallel shard (for blockwise scaling)."""
-  return tuple(d // tp.size if tp.axis in axes else d
-               for d, axes in zip(shape, spec))
+  return tuple(
+    d // tp.size if tp.axis in axes else d for d, axes in zip(shape, spec)
+  )
 
 
-def zero1_sharding(tree, mesh: jax.sharding.Mesh, axis: str = "data",
-                   specs=None):
+def zero1_sharding(
+  tree, mesh: jax.sharding.Mesh, axis: str = "data", specs=None
+):
   """ZeRO-1: ``NamedSharding``s that also split each leaf over ``axis``.
 
   Each leaf keeps its spec (from ``specs``, a tree like ``tree``, or
@@ -356,10 +428,13 @@ def zero1_sharding(tree, mesh: jax.sharding.Mesh, axis: str = "data",
     A tree like ``tree`` of ``jax.sharding.NamedSharding``.
   """
   if axis not in mesh.axis_names:
-    raise ValueError(f"axis={axis!r} is not a mesh axis; accepted values: "
-                     f"{list(mesh.axis_names)}")
-  lookup = _paths.PathLookup("specs", specs, PartitionSpec,
-                             default=PartitionSpec())
+    raise ValueError(
+      f"axis={axis!r} is not a mesh axis; accepted values: "
+      f"{list(mesh.axis_names)}"
+    )
+  lookup = _paths.PathLookup(
+    "specs", specs, PartitionSpec, default=PartitionSpec()
+  )
   spec_of = lookup.resolve(tree)
   leaves, treedef = _paths.leaves_with_paths(tree)
   out = []

@@ -76,8 +76,9 @@ def _clip(x, sigma_min, sigma_max):
 def _hardcap(x, beta):
   o = _sign(x)
   gap = beta * o - x
-  return 0.5 * (beta * o + x - _mm(_mm(gap, jnp.swapaxes(_sign(gap), -1, -2)),
-                                   o))
+  return 0.5 * (
+    beta * o + x - _mm(_mm(gap, jnp.swapaxes(_sign(gap), -1, -2)), o)
+  )
 
 
 def spectral_clip(x: jax.Array, sigma_min=-1.0, sigma_max=1.0) -> jax.Array:
@@ -94,10 +95,14 @@ def spectral_clip(x: jax.Array, sigma_min=-1.0, sigma_max=1.0) -> jax.Array:
   """
   if jnp.ndim(x) < 2:
     raise ValueError(f"spectral_clip needs a matrix, got shape {jnp.shape(x)}")
-  if not _checks.is_traced(sigma_min) and not _checks.is_traced(sigma_max) and (
-      sigma_min > sigma_max):
-    raise ValueError(f"sigma_min={sigma_min} must not exceed "
-                     f"sigma_max={sigma_max}")
+  if (
+    not _checks.is_traced(sigma_min)
+    and not _checks.is_traced(sigma_max)
+    and (sigma_min > sigma_max)
+  ):
+    raise ValueError(
+      f"sigma_min={sigma_min} must not exceed sigma_max={sigma_max}"
+    )
   return _clip(x, sigma_min, sigma_max)
 
 
@@ -113,7 +118,8 @@ def spectral_hardcap(x: jax.Array, beta=1.0) -> jax.Array:
   """
   if jnp.ndim(x) < 2:
     raise ValueError(
-        f"spectral_hardcap needs a matrix, got shape {jnp.shape(x)}")
+      f"spectral_hardcap needs a matrix, got shape {jnp.shape(x)}"
+    )
   _checks.check_positive("beta", beta)
   return _hardcap(x, beta)
 
@@ -125,9 +131,9 @@ def spectral_clipped_weight_decay(x: jax.Array, beta=1.0, c=0.5) -> jax.Array:
   return (1 - c) * x + c * spectral_hardcap(x, beta)
 
 
-def add_spectral_clipped_weight_decay(beta=1.0, c=0.5, *,
-                                      dimension_numbers=None
-                                      ) -> optax.GradientTransformation:
+def add_spectral_clipped_weight_decay(
+  beta=1.0, c=0.5, *, dimension_numbers=None
+) -> optax.GradientTransformation:
   """Adds ``spectral_clipped_weight_decay(p) − p`` to each update, after the
   learning rate (the parameter moves as EO's decay moves it).
 
@@ -154,10 +160,13 @@ def add_spectral_clipped_weight_decay(beta=1.0, c=0.5, *,
     decayed = []
     for _, leaf, view in resolve_views(params):
       (matrices,) = view.to_matrices(leaf)
-      decayed.append(view.from_matrices(
-          [spectral_clipped_weight_decay(matrices, beta, c)]) - leaf)
+      decayed.append(
+        view.from_matrices([spectral_clipped_weight_decay(matrices, beta, c)])
+        - leaf
+      )
     decayed = jax.tree.unflatten(jax.tree.structure(params), decayed)
-    return jax.tree.map(lambda u, d: u + d.astype(u.dtype), updates,
-                        decayed), state
+    return jax.tree.map(
+      lambda u, d: u + d.astype(u.dtype), updates, decayed
+    ), state
 
   return optax.GradientTransformation(init_fn, update_fn)

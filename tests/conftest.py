@@ -4,8 +4,9 @@ import json
 import os
 import pathlib
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (after the flags on purpose)
@@ -21,8 +22,9 @@ def gaussian(shape, seed=0, dtype=jnp.float32):
   """Standard normal entries (complex: real and imaginary parts each)."""
   if jnp.issubdtype(dtype, jnp.complexfloating):
     real, imag = jax.random.split(jax.random.key(seed))
-    return (jax.random.normal(real, shape) +
-            1j * jax.random.normal(imag, shape)).astype(dtype)
+    return (
+      jax.random.normal(real, shape) + 1j * jax.random.normal(imag, shape)
+    ).astype(dtype)
   return jax.random.normal(jax.random.key(seed), shape, dtype)
 
 
@@ -45,8 +47,12 @@ def close_to_max(got, want, rtol=1e-5):
   """``got`` equals ``want`` to ``rtol`` of ``want``'s largest magnitude
   (how the EO-family parity tests compare; ``got`` reshaped to ``want``)."""
   want = np.asarray(want, np.float32)
-  np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want,
-                             atol=rtol * np.abs(want).max(), rtol=0)
+  np.testing.assert_allclose(
+    np.asarray(got).reshape(want.shape),
+    want,
+    atol=rtol * np.abs(want).max(),
+    rtol=0,
+  )
 
 
 @pytest.fixture(scope="session")

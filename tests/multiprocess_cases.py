@@ -11,7 +11,9 @@ import logging
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
 
@@ -24,12 +26,18 @@ def tree():
   group larger than the 4-way model axis, for allgather's all-to-all)."""
   rng = np.random.default_rng(0)
   normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
-  params = {"stacked": normal(2, 32, 64), "qkv": normal(32, 48),
-            **{f"w{i}": normal(32, 64) for i in range(5)},
-            "down": normal(64, 32)}
-  specs = {"stacked": P(None, None, "model"), "qkv": P(None, "model"),
-           **{f"w{i}": P(None, "model") for i in range(5)},
-           "down": P("model", None)}
+  params = {
+    "stacked": normal(2, 32, 64),
+    "qkv": normal(32, 48),
+    **{f"w{i}": normal(32, 64) for i in range(5)},
+    "down": normal(64, 32),
+  }
+  specs = {
+    "stacked": P(None, None, "model"),
+    "qkv": P(None, "model"),
+    **{f"w{i}": P(None, "model") for i in range(5)},
+    "down": P("model", None),
+  }
   return params, specs
 
 
@@ -37,25 +45,38 @@ def mesh(layout: str) -> jax.sharding.Mesh:
   """``"data_across"``: process p holds data row p; ``"model_across"``: each
   model group spans both processes."""
   devices = np.array(jax.devices())  # process 0's four, then process 1's
-  grid = (devices.reshape(2, 4) if layout == "data_across"
-          else devices.reshape(4, 2).T)
-  return jax.sharding.Mesh(grid, ("data", "model"),
-                           axis_types=(AxisType.Auto,) * 2)
+  grid = (
+    devices.reshape(2, 4)
+    if layout == "data_across"
+    else devices.reshape(4, 2).T
+  )
+  return jax.sharding.Mesh(
+    grid, ("data", "model"), axis_types=(AxisType.Auto,) * 2
+  )
 
 
 def put(tree_, specs, mesh_):
-  return jax.tree.map(lambda x, s: jax.make_array_from_callback(
-      x.shape, NamedSharding(mesh_, s), lambda index: x[index]), tree_, specs)
+  return jax.tree.map(
+    lambda x, s: jax.make_array_from_callback(
+      x.shape, NamedSharding(mesh_, s), lambda index: x[index]
+    ),
+    tree_,
+    specs,
+  )
 
 
 def optimizer(mesh_, mode, specs, **extra):
-  return om.scale_by_muon(split_qkv={"qkv": SPLIT}, sharding=om.TensorParallel(
-      mesh_, mode=mode, specs=specs, **extra), dimension_numbers="leading")
+  return om.scale_by_muon(
+    split_qkv={"qkv": SPLIT},
+    sharding=om.TensorParallel(mesh_, mode=mode, specs=specs, **extra),
+    dimension_numbers="leading",
+  )
 
 
 def gathered(tree_):
-  return jax.tree.map(np.asarray, multihost_utils.process_allgather(
-      tree_, tiled=True))
+  return jax.tree.map(
+    np.asarray, multihost_utils.process_allgather(tree_, tiled=True)
+  )
 
 
 def update(mesh_, mode, **extra):
@@ -68,8 +89,11 @@ def update(mesh_, mode, **extra):
 
 def everything():
   """All of the below in one launch (each launch costs seconds)."""
-  return {"tp_modes": tp_modes(), "zero1": zero1_two_steps(),
-          "log_records": logging_process()}
+  return {
+    "tp_modes": tp_modes(),
+    "zero1": zero1_two_steps(),
+    "log_records": logging_process(),
+  }
 
 
 def tp_modes():
@@ -79,7 +103,8 @@ def tp_modes():
     for mode in MODES:
       out[(layout, mode)] = update(mesh(layout), mode)
   out[("data_across", "distribute_over")] = update(
-      mesh("data_across"), "duplicated", distribute_over="data")
+    mesh("data_across"), "duplicated", distribute_over="data"
+  )
   return out
 
 
@@ -92,12 +117,15 @@ def zero1_two_steps():
   sharded = put(params, specs, mesh_)
   state = tx.init(sharded)
   zero1 = om.zero1_sharding(state[0].mu, mesh_, "data", specs=specs)
-  state = (state[0]._replace(mu=jax.device_put(state[0].mu, zero1)),) + state[1:]
+  state = (state[0]._replace(mu=jax.device_put(state[0].mu, zero1)),) + state[
+    1:
+  ]
   step = jax.jit(tx.update)
   outs = []
   for t in range(2):
-    grads = put(jax.tree.map(lambda x: np.cos(x * (t + 1.0)), params), specs,
-                mesh_)
+    grads = put(
+      jax.tree.map(lambda x: np.cos(x * (t + 1.0)), params), specs, mesh_
+    )
     updates, state = step(grads, state)
     outs.append(gathered(updates))
   splits = {k: v.sharding.spec for k, v in state[0].mu.items()}
@@ -111,5 +139,7 @@ def logging_process():
   handler.emit = records.append
   logging.getLogger("optax_muon").addHandler(handler)
   logging.getLogger("optax_muon").setLevel(logging.INFO)
-  om.muon(0.02, match_adamw_update_rms=True, adam_b1=0.83, dimension_numbers="leading")
+  om.muon(
+    0.02, match_adamw_update_rms=True, adam_b1=0.83, dimension_numbers="leading"
+  )
   return len(records)

@@ -9,18 +9,29 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import ROOT
 
 RATIOS = {
-    "ns_roofline": ["ratio", "time_ratio"],
-    "update_vs_optax": ["ours_over_optax", "ours_gram_over_optax",
-                        "ours_over_adamw", "max_abs_diff", "ours_over_roofline",
-                        "ours_gram_over_roofline", "ours_over_matmuls_alone",
-                        "compat_over_optax", "compat_max_abs_diff"],
-    "memory": ["state_ours_over_adamw", "temp_ours_over_optax",
-               "temp_ours_gram_over_optax"],
-    "train_step": ["muon_over_adamw"],
-    "sharding": ["bytes_over_optax", "time_over_optax"],
+  "ns_roofline": ["ratio", "time_ratio"],
+  "update_vs_optax": [
+    "ours_over_optax",
+    "ours_gram_over_optax",
+    "ours_over_adamw",
+    "max_abs_diff",
+    "ours_over_roofline",
+    "ours_gram_over_roofline",
+    "ours_over_matmuls_alone",
+    "compat_over_optax",
+    "compat_max_abs_diff",
+  ],
+  "memory": [
+    "state_ours_over_adamw",
+    "temp_ours_over_optax",
+    "temp_ours_gram_over_optax",
+  ],
+  "train_step": ["muon_over_adamw"],
+  "sharding": ["bytes_over_optax", "time_over_optax"],
 }
 
 
@@ -48,12 +59,19 @@ def _env():
 
 @pytest.mark.slow  # two minutes; the next test runs the compat row alone
 def test_gpu_script_runs_every_benchmark_on_cpu_in_quick_mode(tmp_path):
-  result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"),
-                           str(tmp_path), "--quick"], capture_output=True,
-                          text=True, cwd=ROOT, timeout=900, env=_env())
+  result = subprocess.run(
+    ["bash", str(ROOT / "benchmarks" / "gpu.sh"), str(tmp_path), "--quick"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=900,
+    env=_env(),
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   for name in ("ns_roofline", "update_vs_optax", "memory", "train_step"):
-    records = _check(name, (tmp_path / f"{name}.jsonl").read_text().splitlines())
+    records = _check(
+      name, (tmp_path / f"{name}.jsonl").read_text().splitlines()
+    )
     assert {r["benchmark"] for r in records} <= {name, "gram"}
     if name == "update_vs_optax":  # like for like: the same update
       assert all(d < 1e-4 for r in records for d in r["max_abs_diff"].values())
@@ -61,10 +79,20 @@ def test_gpu_script_runs_every_benchmark_on_cpu_in_quick_mode(tmp_path):
 
 
 def test_update_benchmark_times_compat_at_optax_numbers():
-  result = subprocess.run([sys.executable, str(ROOT / "benchmarks" /
-                                               "update_vs_optax.py"), "--quick",
-                           "--trees", "layers512"], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600, env=_env())
+  result = subprocess.run(
+    [
+      sys.executable,
+      str(ROOT / "benchmarks" / "update_vs_optax.py"),
+      "--quick",
+      "--trees",
+      "layers512",
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+    env=_env(),
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   (record,) = _check("update_vs_optax", result.stdout.splitlines())
   assert record["tree"] == "layers512"
@@ -73,10 +101,14 @@ def test_update_benchmark_times_compat_at_optax_numbers():
 
 
 def test_sharding_benchmark_prints_bytes_per_mode():
-  result = subprocess.run([sys.executable, str(ROOT / "benchmarks" /
-                                               "sharding.py"), "--quick"],
-                          capture_output=True, text=True, cwd=ROOT,
-                          timeout=600, env=_env())
+  result = subprocess.run(
+    [sys.executable, str(ROOT / "benchmarks" / "sharding.py"), "--quick"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+    env=_env(),
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   records = _check("sharding", result.stdout.splitlines())
   for record in records:
@@ -84,13 +116,23 @@ def test_sharding_benchmark_prints_bytes_per_mode():
 
 
 def test_sharding_plan_measures_what_each_mode_should_move():
-  result = subprocess.run([sys.executable, str(ROOT / "benchmarks" /
-                                               "sharding.py"), "--plan",
-                           "--quick"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600, env=_env())
+  result = subprocess.run(
+    [
+      sys.executable,
+      str(ROOT / "benchmarks" / "sharding.py"),
+      "--plan",
+      "--quick",
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+    env=_env(),
+  )
   assert result.returncode == 0, result.stderr[-2000:]
-  rows = [json.loads(l) for l in result.stdout.splitlines()
-          if l.startswith("{")]
+  rows = [
+    json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")
+  ]
   assert {r["tp"] for r in rows} == {4, 8}
   for row in rows:
     measured, expected = row["bytes"], row["expected_bytes"]
@@ -98,7 +140,9 @@ def test_sharding_plan_measures_what_each_mode_should_move():
     for mode in ("duplicated", "distributed", "allgather"):
       # the compiled collectives are the algorithm's, up to the norm scalars
       assert abs(measured[mode] - expected[mode]) <= 1e-4 * expected[mode], (
-          mode, row)
+        mode,
+        row,
+      )
     assert measured["optax.contrib.muon"] > measured["duplicated"]
   assert "| tiny | 4 |" in result.stdout
 
@@ -110,14 +154,18 @@ def test_scaling_doc_table_is_the_plan_commands(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "")
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import sharding as bench  # pylint: disable=import-outside-toplevel
+
   text = (ROOT / "docs" / "scaling.md").read_text()
-  gib = lambda x: f"{x / 2 ** 30:.2f}"
+  gib = lambda x: f"{x / 2**30:.2f}"
   for name, (d, ffn, heads, kv, hd, layers) in bench.DECODERS.items():
     for tp in (4, 8):
       shapes = bench.layer_shapes(d, ffn, heads, kv, hd)
-      cells = [f"({gib(layers * bench.expected_bytes(shapes, m, tp))})"
-               for m in ("blockwise", "duplicated", "distributed", "allgather")]
-      row = next(l for l in text.splitlines()
-                 if l.startswith(f"| {name} | {tp} |"))
+      cells = [
+        f"({gib(layers * bench.expected_bytes(shapes, m, tp))})"
+        for m in ("blockwise", "duplicated", "distributed", "allgather")
+      ]
+      row = next(
+        l for l in text.splitlines() if l.startswith(f"| {name} | {tp} |")
+      )
       for cell in cells:
         assert cell in row, (name, tp, cell, row)

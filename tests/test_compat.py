@@ -22,12 +22,16 @@ from hypothesis import strategies as st
 from optax.contrib import MuonDimensionNumbers as Dims
 
 import optax_muon as om
-from optax_muon import compat
 from conftest import gaussian
+from optax_muon import compat
 
 OPTAX_MUON = importlib.import_module("optax.contrib._muon")
-PUBLIC = ("muon", "scale_by_muon", "scale_by_shape",
-          "orthogonalize_via_newton_schulz")
+PUBLIC = (
+  "muon",
+  "scale_by_muon",
+  "scale_by_shape",
+  "orthogonalize_via_newton_schulz",
+)
 EXTRAS = {"sharding": None, "method": "standard", "precision": "high"}
 
 
@@ -37,11 +41,13 @@ def test_pinned_optax_is_the_mirrored_one():
 
 @pytest.mark.parametrize("name", PUBLIC)
 def test_signature_is_optax_then_keyword_only_extras(name):
-  theirs = list(inspect.signature(getattr(OPTAX_MUON, name)).parameters.values())
+  theirs = list(
+    inspect.signature(getattr(OPTAX_MUON, name)).parameters.values()
+  )
   ours = list(inspect.signature(getattr(compat, name)).parameters.values())
   strip = lambda ps: [(p.name, p.kind, p.default) for p in ps]
-  assert strip(ours[:len(theirs)]) == strip(theirs)
-  for extra in ours[len(theirs):]:
+  assert strip(ours[: len(theirs)]) == strip(theirs)
+  for extra in ours[len(theirs) :]:
     assert extra.kind is inspect.Parameter.KEYWORD_ONLY
     assert EXTRAS[extra.name] == extra.default
 
@@ -52,6 +58,7 @@ def test_state_and_dimension_number_types_are_optax_own():
 
 
 # -- optax's own test module, pointed at compat -------------------------------
+
 
 def _optax_muon_tests():
   """optax/contrib/_muon_test.py, imported with its ``_muon`` being compat."""
@@ -73,12 +80,17 @@ class TestOptaxMuonSuiteOnCompat(_optax_muon_tests().MuonTest):
 
 for _name in dir(TestOptaxMuonSuiteOnCompat):
   if _name.startswith(PRIVATE_HELPER_TESTS):
-    setattr(TestOptaxMuonSuiteOnCompat, _name, unittest.skip(
-        "calls optax's private _compute_muon_reshape")(
-            getattr(TestOptaxMuonSuiteOnCompat, _name)))
+    setattr(
+      TestOptaxMuonSuiteOnCompat,
+      _name,
+      unittest.skip("calls optax's private _compute_muon_reshape")(
+        getattr(TestOptaxMuonSuiteOnCompat, _name)
+      ),
+    )
 
 
 # -- the same numbers ---------------------------------------------------------
+
 
 def _relative(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
@@ -100,8 +112,10 @@ def _trees(draw):
   if complex_leaf:
     params["c"], dims["c"] = (10, 6), Dims()
   seed = draw(st.integers(0, 1000))
-  tree = {k: gaussian(s, seed + i, jnp.complex64 if k == "c" else jnp.float32)
-          for i, (k, s) in enumerate(sorted(params.items()))}
+  tree = {
+    k: gaussian(s, seed + i, jnp.complex64 if k == "c" else jnp.float32)
+    for i, (k, s) in enumerate(sorted(params.items()))
+  }
   return tree, dims, complex_leaf
 
 
@@ -110,34 +124,47 @@ def _cases(draw):
   tree, dims, complex_leaf = _trees(draw)
   routing = draw(st.sampled_from(["tree", "callable", "none"]))
   settings = dict(
-      learning_rate=draw(st.sampled_from([0.02, optax.linear_schedule(
-          0.05, 0.0, 10)])),
-      ns_coeffs=draw(st.sampled_from(
-          ["standard", "dion", (3.0, -3.2, 1.2),
-           ((4.0, -6.8, 2.9), (3.4, -4.7, 2.0), (2.9, -3.1, 1.2))])),
-      ns_steps=draw(st.integers(3, 6)),
-      beta=draw(st.sampled_from([0.9, 0.95])),
-      eps=draw(st.sampled_from([1e-8, 1e-6])),
-      weight_decay=draw(st.sampled_from([0.0, 0.1])),
-      nesterov=draw(st.booleans()),
-      adaptive=draw(st.booleans()),
-      preconditioning=draw(st.sampled_from(compat.PRECONDITIONINGS)),
-      adam_b1=draw(st.sampled_from([0.8, 0.9])),
-      adam_b2=draw(st.sampled_from([0.99, 0.999])),
-      adam_eps_root=draw(st.sampled_from([0.0, 1e-8])),
-      adam_weight_decay=draw(st.sampled_from([0.0, 0.01])),
-      adam_learning_rate=draw(st.sampled_from([None, 0.003])),
-      consistent_rms=draw(st.sampled_from([None, 0.2])),
-      muon_weight_dimension_numbers={"tree": dims, "none": None,
-                                     "callable": lambda p: dims}[routing])
+    learning_rate=draw(
+      st.sampled_from([0.02, optax.linear_schedule(0.05, 0.0, 10)])
+    ),
+    ns_coeffs=draw(
+      st.sampled_from(
+        [
+          "standard",
+          "dion",
+          (3.0, -3.2, 1.2),
+          ((4.0, -6.8, 2.9), (3.4, -4.7, 2.0), (2.9, -3.1, 1.2)),
+        ]
+      )
+    ),
+    ns_steps=draw(st.integers(3, 6)),
+    beta=draw(st.sampled_from([0.9, 0.95])),
+    eps=draw(st.sampled_from([1e-8, 1e-6])),
+    weight_decay=draw(st.sampled_from([0.0, 0.1])),
+    nesterov=draw(st.booleans()),
+    adaptive=draw(st.booleans()),
+    preconditioning=draw(st.sampled_from(compat.PRECONDITIONINGS)),
+    adam_b1=draw(st.sampled_from([0.8, 0.9])),
+    adam_b2=draw(st.sampled_from([0.99, 0.999])),
+    adam_eps_root=draw(st.sampled_from([0.0, 1e-8])),
+    adam_weight_decay=draw(st.sampled_from([0.0, 0.01])),
+    adam_learning_rate=draw(st.sampled_from([None, 0.003])),
+    consistent_rms=draw(st.sampled_from([None, 0.2])),
+    muon_weight_dimension_numbers={
+      "tree": dims,
+      "none": None,
+      "callable": lambda p: dims,
+    }[routing],
+  )
   if draw(st.booleans()):
     settings["weight_decay_mask"] = {k: k != "w0" for k in tree}
   if not complex_leaf and draw(st.booleans()):
     settings["mu_dtype"] = jnp.bfloat16  # optax drops the imaginary part
   if settings["preconditioning"] == "schatten" and complex_leaf:
     settings["preconditioning"] = "aol"  # optax's Schatten uses X Xᵀ there
-  rows = np.asarray(compat.NS_COEFFS_PRESETS.get(settings["ns_coeffs"],
-                                                 settings["ns_coeffs"]))
+  rows = np.asarray(
+    compat.NS_COEFFS_PRESETS.get(settings["ns_coeffs"], settings["ns_coeffs"])
+  )
   if rows.ndim == 2:
     settings["ns_steps"] = max(settings["ns_steps"], len(rows))
   return tree, settings
@@ -155,8 +182,9 @@ def _run_both(tree, settings, steps, jit=True):
     grads = jax.tree.map(lambda x: gaussian(x.shape, 100 + t, x.dtype), tree)
     u_theirs, s_theirs = update_theirs(grads, s_theirs, tree)
     u_ours, s_ours = update_ours(grads, s_ours, tree)
-    worst = max([worst] + jax.tree.leaves(jax.tree.map(_relative, u_ours,
-                                                       u_theirs)))
+    worst = max(
+      [worst] + jax.tree.leaves(jax.tree.map(_relative, u_ours, u_theirs))
+    )
     tree = optax.apply_updates(tree, u_theirs)
   return worst
 
@@ -173,26 +201,49 @@ def _run_both(tree, settings, steps, jit=True):
 JIT_TOLERANCE = 2e-6
 
 
-@hypothesis.settings(deadline=None, max_examples=6, derandomize=True,
-                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.settings(
+  deadline=None,
+  max_examples=6,
+  derandomize=True,
+  suppress_health_check=list(hypothesis.HealthCheck),
+)
 @hypothesis.given(_cases())
 def test_random_trees_and_settings_match_optax(case):
   tree, settings = case
   assert _run_both(tree, settings, steps=10) <= JIT_TOLERANCE
 
 
-@pytest.mark.parametrize("settings", [
+@pytest.mark.parametrize(
+  "settings",
+  [
     dict(nesterov=True, weight_decay=0.1),
-    dict(nesterov=False, adaptive=True, preconditioning="spectral",
-         ns_coeffs="dion"),
-])
+    dict(
+      nesterov=False,
+      adaptive=True,
+      preconditioning="spectral",
+      ns_coeffs="dion",
+    ),
+  ],
+)
 def test_without_jit_the_update_is_optax_bits(settings):
-  tree = {"w": gaussian((12, 20), 0), "t": gaussian((20, 16), 1),
-          "s": gaussian((2, 8, 12), 2), "b": gaussian((5,), 3),
-          "c": gaussian((6, 4), 4, jnp.complex64)}
-  settings = dict(learning_rate=0.02, muon_weight_dimension_numbers={
-      "w": Dims(), "t": Dims(), "s": Dims(1, 2), "b": None, "c": Dims()},
-                  **settings)
+  tree = {
+    "w": gaussian((12, 20), 0),
+    "t": gaussian((20, 16), 1),
+    "s": gaussian((2, 8, 12), 2),
+    "b": gaussian((5,), 3),
+    "c": gaussian((6, 4), 4, jnp.complex64),
+  }
+  settings = dict(
+    learning_rate=0.02,
+    muon_weight_dimension_numbers={
+      "w": Dims(),
+      "t": Dims(),
+      "s": Dims(1, 2),
+      "b": None,
+      "c": Dims(),
+    },
+    **settings,
+  )
   assert _run_both(tree, settings, steps=3, jit=False) == 0.0
 
 
@@ -206,9 +257,13 @@ def test_mu_dtype_bfloat16_matches_and_keeps_a_bfloat16_buffer():
 
 # -- the same state: an optax checkpoint continues here ----------------------
 
+
 def test_optax_checkpoint_restores_into_compat_and_continues(tmp_path):
-  tree = {"w": gaussian((16, 48), 0), "t": gaussian((48, 16), 1),
-          "b": gaussian((16,), 2)}
+  tree = {
+    "w": gaussian((16, 48), 0),
+    "t": gaussian((48, 16), 1),
+    "b": gaussian((16,), 2),
+  }
   grads = lambda t: jax.tree.map(lambda x: gaussian(x.shape, 50 + t), tree)
   theirs = optax.contrib.muon(0.02, weight_decay=0.1, adaptive=True)
   ours = compat.muon(0.02, weight_decay=0.1, adaptive=True)
@@ -226,16 +281,18 @@ def test_optax_checkpoint_restores_into_compat_and_continues(tmp_path):
     checkpointer.wait_until_finished()
     target = {"params": tree, "opt_state": ours.init(tree)}
     restored = checkpointer.restore(
-        tmp_path / "step5", jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                                         target))
+      tmp_path / "step5", jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    )
   chex.assert_trees_all_equal(restored["opt_state"], state)
-  resumed, _ = run(ours, restored["params"], restored["opt_state"],
-                   range(5, 10))
+  resumed, _ = run(
+    ours, restored["params"], restored["opt_state"], range(5, 10)
+  )
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(reference)):
     assert _relative(a, b) <= 1e-6
 
 
 # -- what compat adds ---------------------------------------------------------
+
 
 def test_three_dimensional_leaf_without_dimension_numbers_fails_at_init():
   tx = compat.scale_by_muon()
@@ -263,20 +320,33 @@ def test_gram_method_gives_the_standard_polynomial():
 
 
 def test_tensor_parallel_through_compat_equals_unsharded():
-  mesh = jax.make_mesh((2, 4), ("data", "model"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  mesh = jax.make_mesh(
+    (2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
   P = jax.sharding.PartitionSpec
-  specs = {"qkv": P(None, "model"), "out": P("model", None),
-           "up": P(None, "model"), "b": P()}
-  tree = {"qkv": gaussian((32, 96), 0), "out": gaussian((32, 32), 1),
-          "up": gaussian((32, 128), 2), "b": gaussian((32,), 3)}
-  tree = jax.tree.map(lambda x, s: jax.device_put(
-      x, jax.sharding.NamedSharding(mesh, s)), tree, specs)
+  specs = {
+    "qkv": P(None, "model"),
+    "out": P("model", None),
+    "up": P(None, "model"),
+    "b": P(),
+  }
+  tree = {
+    "qkv": gaussian((32, 96), 0),
+    "out": gaussian((32, 32), 1),
+    "up": gaussian((32, 128), 2),
+    "b": gaussian((32,), 3),
+  }
+  tree = jax.tree.map(
+    lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)),
+    tree,
+    specs,
+  )
   plain = compat.muon(0.02)
   expected, _ = jax.jit(plain.update)(tree, plain.init(tree), tree)
   for mode in om.sharding.MODES:
-    sharded = compat.muon(0.02, sharding=om.TensorParallel(
-        mesh, "model", mode, specs=specs))
+    sharded = compat.muon(
+      0.02, sharding=om.TensorParallel(mesh, "model", mode, specs=specs)
+    )
     update = jax.jit(sharded.update)
     state = sharded.init(tree)
     # the leaves enter our shard_map, not GSPMD's gathers

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
 
@@ -16,23 +17,36 @@ import optax_muon as om
 # "unset": muon_tp_mode resolves to blockwise with a mesh, the extra factor to
 # 1.0 or the RMS-matching factor
 DEFAULTS = {
-    "optimizer": "adam", "lr": 1e-6, "adam_lr": None, "betas": (0.9, 0.999), "eps": 1e-8,
-    "weight_decay": 0.01, "clip_grad": 1.0,
-    "use_layer_wise_distributed_optimizer": False, "muon_momentum": 0.95,
-    "muon_nesterov": False, "muon_split_qkv": True,
-    "muon_scale_mode": "spectral", "muon_coefficient_type": "quintic",
-    "muon_num_ns_steps": 5, "muon_tp_mode": None,
-    "muon_fp32_matmul_prec": "medium", "muon_extra_scale_factor": None,
-    "muon_scalar_optimizer": "adam", "muon_match_adamw_update_rms": False,
-    "muon_momentum_style": "ema", "qk_clip": False, "qk_clip_threshold": 100.0,
-    "qk_clip_alpha": 0.5,
-    # Megatron-Core 0.19's OptimizerConfig (shared reference, mcore fields)
-    "adaptive_muon_moment2_method": "adamuon",
-    "adaptive_muon_beta2": 0.95,
-    "adaptive_muon_eps": 1e-8,
-    # no config name in Megatron-Core: a gated linear_fc1 is always split
-    # (its is_gated_fc1 attribute); ours follows, and can be turned off
-    "muon_split_gate_up": True,
+  "optimizer": "adam",
+  "lr": 1e-6,
+  "adam_lr": None,
+  "betas": (0.9, 0.999),
+  "eps": 1e-8,
+  "weight_decay": 0.01,
+  "clip_grad": 1.0,
+  "use_layer_wise_distributed_optimizer": False,
+  "muon_momentum": 0.95,
+  "muon_nesterov": False,
+  "muon_split_qkv": True,
+  "muon_scale_mode": "spectral",
+  "muon_coefficient_type": "quintic",
+  "muon_num_ns_steps": 5,
+  "muon_tp_mode": None,
+  "muon_fp32_matmul_prec": "medium",
+  "muon_extra_scale_factor": None,
+  "muon_scalar_optimizer": "adam",
+  "muon_match_adamw_update_rms": False,
+  "muon_momentum_style": "ema",
+  "qk_clip": False,
+  "qk_clip_threshold": 100.0,
+  "qk_clip_alpha": 0.5,
+  # Megatron-Core 0.19's OptimizerConfig (shared reference, mcore fields)
+  "adaptive_muon_moment2_method": "adamuon",
+  "adaptive_muon_beta2": 0.95,
+  "adaptive_muon_eps": 1e-8,
+  # no config name in Megatron-Core: a gated linear_fc1 is always split
+  # (its is_gated_fc1 attribute); ours follows, and can be turned off
+  "muon_split_gate_up": True,
 }
 
 
@@ -43,68 +57,86 @@ def test_every_field_has_the_reference_default():
     assert getattr(cfg, name) == value, name
 
 
-@pytest.mark.parametrize("prefix", ["", "optim.", "actor_rollout_ref.actor.optim."])
+@pytest.mark.parametrize(
+  "prefix", ["", "optim.", "actor_rollout_ref.actor.optim."]
+)
 def test_overrides_parse_with_any_dotted_prefix(prefix):
-  cfg = om.MuonConfig.from_overrides([
-      f"{prefix}optimizer=muon", f"{prefix}muon_momentum=0.9",
-      f"{prefix}betas=[0.9,0.95]", f"{prefix}muon_nesterov=true",
-      f"{prefix}muon_num_ns_steps=8", f"{prefix}lr=3e-4",
-      f"{prefix}muon_tp_mode=duplicated"])
-  assert (cfg.optimizer, cfg.muon_momentum, cfg.betas, cfg.muon_nesterov,
-          cfg.muon_num_ns_steps, cfg.lr, cfg.muon_tp_mode) == (
-              "muon", 0.9, (0.9, 0.95), True, 8, 3e-4, "duplicated")
+  cfg = om.MuonConfig.from_overrides(
+    [
+      f"{prefix}optimizer=muon",
+      f"{prefix}muon_momentum=0.9",
+      f"{prefix}betas=[0.9,0.95]",
+      f"{prefix}muon_nesterov=true",
+      f"{prefix}muon_num_ns_steps=8",
+      f"{prefix}lr=3e-4",
+      f"{prefix}muon_tp_mode=duplicated",
+    ]
+  )
+  assert (
+    cfg.optimizer,
+    cfg.muon_momentum,
+    cfg.betas,
+    cfg.muon_nesterov,
+    cfg.muon_num_ns_steps,
+    cfg.lr,
+    cfg.muon_tp_mode,
+  ) == ("muon", 0.9, (0.9, 0.95), True, 8, 3e-4, "duplicated")
 
 
 BAD_OVERRIDES = [
-    ("optimizer=sgd", "optimizer"),
-    ("muon_momentum=1.0", "muon_momentum"),
-    ("muon_momentum=fast", "muon_momentum"),
-    ("muon_nesterov=maybe", "muon_nesterov"),
-    ("muon_num_ns_steps=0", "muon_num_ns_steps"),
-    ("muon_num_ns_steps=2.5", "muon_num_ns_steps"),
-    ("muon_scale_mode=rms", "muon_scale_mode"),
-    ("muon_coefficient_type=fastest", "muon_coefficient_type"),
-    ("muon_tp_mode=sequence", "muon_tp_mode"),
-    ("muon_fp32_matmul_prec=fp8", "muon_fp32_matmul_prec"),
-    ("muon_extra_scale_factor=-1", "muon_extra_scale_factor"),
-    ("muon_scalar_optimizer=sgd", "muon_scalar_optimizer"),
-    ("muon_momentum_style=adam", "muon_momentum_style"),
-    ("lr=-0.1", "lr"),
-    ("betas=[0.9]", "betas"),
-    ("betas=[0.9,1.5]", "betas[1]"),
-    ("weight_decay=-0.01", "weight_decay"),
-    ("clip_grad=-1", "clip_grad"),
-    ("eps=-1e-8", "eps"),
-    ("muon_split_qkv=2", "muon_split_qkv"),
-    ("muon_learning_rate=0.1", "muon_learning_rate"),
-    ("optim.muon_mometum=0.9", "muon_mometum"),
-    ("muon_momentum", "key=value"),
-    ("qk_clip_threshold=0", "qk_clip_threshold"),
-    ("qk_clip_alpha=1.5", "qk_clip_alpha"),
-    ("qk_clip=maybe", "qk_clip"),
+  ("optimizer=sgd", "optimizer"),
+  ("muon_momentum=1.0", "muon_momentum"),
+  ("muon_momentum=fast", "muon_momentum"),
+  ("muon_nesterov=maybe", "muon_nesterov"),
+  ("muon_num_ns_steps=0", "muon_num_ns_steps"),
+  ("muon_num_ns_steps=2.5", "muon_num_ns_steps"),
+  ("muon_scale_mode=rms", "muon_scale_mode"),
+  ("muon_coefficient_type=fastest", "muon_coefficient_type"),
+  ("muon_tp_mode=sequence", "muon_tp_mode"),
+  ("muon_fp32_matmul_prec=fp8", "muon_fp32_matmul_prec"),
+  ("muon_extra_scale_factor=-1", "muon_extra_scale_factor"),
+  ("muon_scalar_optimizer=sgd", "muon_scalar_optimizer"),
+  ("muon_momentum_style=adam", "muon_momentum_style"),
+  ("lr=-0.1", "lr"),
+  ("betas=[0.9]", "betas"),
+  ("betas=[0.9,1.5]", "betas[1]"),
+  ("weight_decay=-0.01", "weight_decay"),
+  ("clip_grad=-1", "clip_grad"),
+  ("eps=-1e-8", "eps"),
+  ("muon_split_qkv=2", "muon_split_qkv"),
+  ("muon_learning_rate=0.1", "muon_learning_rate"),
+  ("optim.muon_mometum=0.9", "muon_mometum"),
+  ("muon_momentum", "key=value"),
+  ("qk_clip_threshold=0", "qk_clip_threshold"),
+  ("qk_clip_alpha=1.5", "qk_clip_alpha"),
+  ("qk_clip=maybe", "qk_clip"),
 ]
 
 
 @pytest.mark.parametrize("override, field", BAD_OVERRIDES)
 def test_bad_override_raises_naming_the_field(override, field):
-  with pytest.raises(ValueError, match=field.replace("[", r"\[").replace(
-      "]", r"\]")):
+  with pytest.raises(
+    ValueError, match=field.replace("[", r"\[").replace("]", r"\]")
+  ):
     om.MuonConfig.from_overrides([override])
 
 
 def test_match_adamw_update_rms_conflicts_with_any_explicit_extra_factor():
   for value in ("1.0", "0.2"):
     with pytest.raises(ValueError, match="set exactly one"):
-      om.MuonConfig.from_overrides(["muon_match_adamw_update_rms=true",
-                                    f"muon_extra_scale_factor={value}"])
+      om.MuonConfig.from_overrides(
+        ["muon_match_adamw_update_rms=true", f"muon_extra_scale_factor={value}"]
+      )
   with pytest.raises(ValueError, match="set exactly one"):
     om.MuonConfig(muon_match_adamw_update_rms=True, muon_extra_scale_factor=1.0)
   assert om.MuonConfig(muon_match_adamw_update_rms=True).extra_scale_factor == (
-      pytest.approx(om.adamw_rms_match_factor(0.9)))
+    pytest.approx(om.adamw_rms_match_factor(0.9))
+  )
 
 
 def test_resolved_factor_is_logged(caplog):
   from optax_muon import alias
+
   alias._logged_factors.clear()
   caplog.set_level("INFO", logger="optax_muon")
   om.MuonConfig(optimizer="muon", muon_match_adamw_update_rms=True).build(1e-3)
@@ -116,8 +148,10 @@ def test_adam_builds_plain_adamw_with_clip():
   grads = {"w": jnp.full((4, 4), 10.0), "b": jnp.full((4,), 10.0)}
   cfg = om.MuonConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
   updates, _ = cfg.build().update(grads, cfg.build().init(params), params)
-  reference = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
-      1e-2, weight_decay=0.1, mask={"w": True, "b": False}))
+  reference = optax.chain(
+    optax.clip_by_global_norm(1.0),
+    optax.adamw(1e-2, weight_decay=0.1, mask={"w": True, "b": False}),
+  )
   expected, _ = reference.update(grads, reference.init(params), params)
   np.testing.assert_allclose(updates["w"], expected["w"], rtol=1e-6)
   np.testing.assert_allclose(updates["b"], expected["b"], rtol=1e-6)
@@ -131,46 +165,67 @@ def test_muon_build_needs_head_counts_for_fused_qkv():
   tx = cfg.build(1e-3, params=params, split_qkv=om.SplitQKV(2, 2, 8))
   updates, _ = tx.update(params, tx.init(params), params)
   assert updates["attn"]["qkv"]["kernel"].shape == (16, 48)
-  om.MuonConfig(optimizer="muon", muon_split_qkv=False).build(1e-3,
-                                                            params=params)
+  om.MuonConfig(optimizer="muon", muon_split_qkv=False).build(
+    1e-3, params=params
+  )
 
 
 # build() forwards every field: each case sets one field away from its default
 # and compares build() with the optax chain written out by hand.
 SPLIT = om.SplitQKV(num_heads=2, num_kv_heads=2, head_dim=8)
-FORWARD_PARAMS = {"attn": {"qkv": {"kernel": jnp.ones((16, 48))}},
-                  "mlp": {"kernel": jnp.ones((16, 32))},
-                  "ffn": {"gate_up": {"kernel": jnp.ones((16, 64))}},
-                  "embed": {"embedding": jnp.ones((20, 16))},
-                  "ln": {"scale": jnp.ones((16,))}}
+FORWARD_PARAMS = {
+  "attn": {"qkv": {"kernel": jnp.ones((16, 48))}},
+  "mlp": {"kernel": jnp.ones((16, 32))},
+  "ffn": {"gate_up": {"kernel": jnp.ones((16, 64))}},
+  "embed": {"embedding": jnp.ones((20, 16))},
+  "ln": {"scale": jnp.ones((16,))},
+}
 FORWARD_CASES = {
-    "defaults": ({}, {}),
-    "muon_momentum": ({"muon_momentum": 0.8}, {"beta": 0.8}),
-    "muon_nesterov": ({"muon_nesterov": True}, {"nesterov": True}),
-    "muon_split_qkv": ({"muon_split_qkv": False}, {"split_qkv": None}),
-    "muon_split_gate_up": ({"muon_split_gate_up": False},
-                           {"split_gate_up": None}),
-    "muon_scale_mode": ({"muon_scale_mode": "unit_rms_norm"},
-                        {"scale_mode": "unit_rms_norm"}),
-    "muon_coefficient_type": ({"muon_coefficient_type": "cubic5"},
-                              {"coefficients": "cubic5"}),
-    "muon_num_ns_steps": ({"muon_num_ns_steps": 2}, {"steps": 2}),
-    "muon_fp32_matmul_prec": ({"muon_fp32_matmul_prec": "highest"},
-                              {"precision": "highest"}),
-    "muon_extra_scale_factor": ({"muon_extra_scale_factor": 0.3},
-                                {"extra_scale_factor": 0.3}),
-    "muon_scalar_optimizer": ({"muon_scalar_optimizer": "lion"},
-                              {"scalar_optimizer": "lion"}),
-    "muon_match_adamw_update_rms": ({"muon_match_adamw_update_rms": True},
-                                    {"match_adamw_update_rms": True}),
-    "muon_momentum_style": ({"muon_momentum_style": "sgd"},
-                            {"momentum_style": "sgd"}),
-    "betas": ({"betas": (0.8, 0.99)}, {"adam_b1": 0.8, "adam_b2": 0.99}),
-    "eps": ({"eps": 1e-3}, {"adam_eps": 1e-3}),
-    "weight_decay": ({"weight_decay": 0.5},
-                     {"weight_decay": 0.5, "adam_weight_decay": 0.5}),
-    "clip_grad": ({"clip_grad": 0.5}, {"clip": 0.5}),
-    "adam_lr": ({"adam_lr": 3e-3}, {"adam_learning_rate": 3e-3}),
+  "defaults": ({}, {}),
+  "muon_momentum": ({"muon_momentum": 0.8}, {"beta": 0.8}),
+  "muon_nesterov": ({"muon_nesterov": True}, {"nesterov": True}),
+  "muon_split_qkv": ({"muon_split_qkv": False}, {"split_qkv": None}),
+  "muon_split_gate_up": (
+    {"muon_split_gate_up": False},
+    {"split_gate_up": None},
+  ),
+  "muon_scale_mode": (
+    {"muon_scale_mode": "unit_rms_norm"},
+    {"scale_mode": "unit_rms_norm"},
+  ),
+  "muon_coefficient_type": (
+    {"muon_coefficient_type": "cubic5"},
+    {"coefficients": "cubic5"},
+  ),
+  "muon_num_ns_steps": ({"muon_num_ns_steps": 2}, {"steps": 2}),
+  "muon_fp32_matmul_prec": (
+    {"muon_fp32_matmul_prec": "highest"},
+    {"precision": "highest"},
+  ),
+  "muon_extra_scale_factor": (
+    {"muon_extra_scale_factor": 0.3},
+    {"extra_scale_factor": 0.3},
+  ),
+  "muon_scalar_optimizer": (
+    {"muon_scalar_optimizer": "lion"},
+    {"scalar_optimizer": "lion"},
+  ),
+  "muon_match_adamw_update_rms": (
+    {"muon_match_adamw_update_rms": True},
+    {"match_adamw_update_rms": True},
+  ),
+  "muon_momentum_style": (
+    {"muon_momentum_style": "sgd"},
+    {"momentum_style": "sgd"},
+  ),
+  "betas": ({"betas": (0.8, 0.99)}, {"adam_b1": 0.8, "adam_b2": 0.99}),
+  "eps": ({"eps": 1e-3}, {"adam_eps": 1e-3}),
+  "weight_decay": (
+    {"weight_decay": 0.5},
+    {"weight_decay": 0.5, "adam_weight_decay": 0.5},
+  ),
+  "clip_grad": ({"clip_grad": 0.5}, {"clip": 0.5}),
+  "adam_lr": ({"adam_lr": 3e-3}, {"adam_learning_rate": 3e-3}),
 }
 # Muon and AdamW are nearly scale-invariant: a clip shows through eps = 1
 CONTEXT = {"clip_grad": ({"eps": 1.0}, {"adam_eps": 1.0})}
@@ -179,16 +234,30 @@ CONTEXT = {"clip_grad": ({"eps": 1.0}, {"adam_eps": 1.0})}
 def _hand_written(lr, clip=1.0, **overrides):
   """verl / Megatron's defaults (DESIGN §7) spelled out as om.muon arguments."""
   decay = lambda p: jax.tree.map(lambda x: jnp.ndim(x) >= 2, p)
-  args = dict(beta=0.95, nesterov=False, momentum_style="ema",
-              coefficients="quintic", steps=5, precision="medium",
-              scale_mode="spectral", extra_scale_factor=None,
-              match_adamw_update_rms=False, split_qkv=SPLIT,
-              split_gate_up=om.SplitGateUp(), weight_decay=0.01,
-              weight_decay_mask=decay, scalar_optimizer="adam", adam_b1=0.9,
-              adam_b2=0.999, adam_eps=1e-8, adam_weight_decay=0.01,
-              adam_weight_decay_mask=decay)
-  return optax.chain(optax.clip_by_global_norm(clip),
-                     om.muon(lr, **(args | overrides)))
+  args = dict(
+    beta=0.95,
+    nesterov=False,
+    momentum_style="ema",
+    coefficients="quintic",
+    steps=5,
+    precision="medium",
+    scale_mode="spectral",
+    extra_scale_factor=None,
+    match_adamw_update_rms=False,
+    split_qkv=SPLIT,
+    split_gate_up=om.SplitGateUp(),
+    weight_decay=0.01,
+    weight_decay_mask=decay,
+    scalar_optimizer="adam",
+    adam_b1=0.9,
+    adam_b2=0.999,
+    adam_eps=1e-8,
+    adam_weight_decay=0.01,
+    adam_weight_decay_mask=decay,
+  )
+  return optax.chain(
+    optax.clip_by_global_norm(clip), om.muon(lr, **(args | overrides))
+  )
 
 
 def _three_steps(tx, params):
@@ -203,8 +272,9 @@ def _three_steps(tx, params):
 
 def _forward_params():
   keys = iter(jax.random.split(jax.random.key(0), 12))
-  return jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape),
-                      FORWARD_PARAMS)
+  return jax.tree.map(
+    lambda x: jax.random.normal(next(keys), x.shape), FORWARD_PARAMS
+  )
 
 
 @functools.lru_cache
@@ -217,17 +287,24 @@ def _without_the_field(context):
 def test_build_forwards_every_field(case):
   fields, overrides = FORWARD_CASES[case]
   context_fields, context = CONTEXT.get(case, ({}, {}))
-  built = om.MuonConfig(optimizer="muon", lr=1e-2, **fields,
-                        **context_fields).build(split_qkv=SPLIT)
+  built = om.MuonConfig(
+    optimizer="muon", lr=1e-2, **fields, **context_fields
+  ).build(split_qkv=SPLIT)
   params = _forward_params()
   got = _three_steps(built, params)
   chex.assert_trees_all_close(
-      got, _three_steps(_hand_written(1e-2, **overrides, **context), params),
-      atol=1e-6, rtol=1e-6)
+    got,
+    _three_steps(_hand_written(1e-2, **overrides, **context), params),
+    atol=1e-6,
+    rtol=1e-6,
+  )
   if case != "defaults":  # the field changes the result: the check has teeth
     without = _without_the_field(tuple(sorted(context.items())))
-    differs = jax.tree.leaves(jax.tree.map(
-        lambda a, b: not np.allclose(a, b, atol=1e-6, rtol=1e-6), got, without))
+    differs = jax.tree.leaves(
+      jax.tree.map(
+        lambda a, b: not np.allclose(a, b, atol=1e-6, rtol=1e-6), got, without
+      )
+    )
     assert any(differs), case
 
 
@@ -236,8 +313,9 @@ def test_adam_lr_follows_the_schedule_and_an_injected_lr():
   # an inject_hyperparams lr (halved on a rollback) moves both groups
   params = {"w": jnp.ones((8, 8)), "b": jnp.ones((8,))}
   grads = {"w": jnp.ones((8, 8)), "b": jnp.ones((8,))}
-  cfg = om.MuonConfig(optimizer="muon", lr=1e-2, adam_lr=4e-2, clip_grad=0.0,
-                      weight_decay=0.0)
+  cfg = om.MuonConfig(
+    optimizer="muon", lr=1e-2, adam_lr=4e-2, clip_grad=0.0, weight_decay=0.0
+  )
   schedule = lambda count: 1e-2 * (count + 1.0)
   tx = cfg.build(schedule)
   state = tx.init(params)
@@ -246,16 +324,21 @@ def test_adam_lr_follows_the_schedule_and_an_injected_lr():
     # Adam's first steps are -lr·sign(g): its lr read off the update
     np.testing.assert_allclose(-updates["b"], 4e-2 * (step + 1), rtol=1e-4)
   injected = optax.inject_hyperparams(
-      lambda learning_rate: cfg.build(learning_rate))(learning_rate=1e-2)
+    lambda learning_rate: cfg.build(learning_rate)
+  )(learning_rate=1e-2)
   state = injected.init(params)
   state.hyperparams["learning_rate"] = jnp.asarray(5e-3)  # halved
   updates, _ = injected.update(grads, state, params)
   np.testing.assert_allclose(-updates["b"], 2e-2, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fields, match", [
+@pytest.mark.parametrize(
+  "fields, match",
+  [
     ({"adam_lr": -1.0}, "adam_lr"),
-    ({"adam_lr": 1e-3, "lr": 0.0}, "adam_lr.*lr > 0")])
+    ({"adam_lr": 1e-3, "lr": 0.0}, "adam_lr.*lr > 0"),
+  ],
+)
 def test_bad_adam_lr_raises(fields, match):
   with pytest.raises(ValueError, match=match):
     om.MuonConfig(optimizer="muon", **fields)
@@ -266,25 +349,39 @@ def test_adam_lr_with_adamw_warns():
     om.MuonConfig.from_dict({"optimizer": "adam", "adam_lr": 1e-3})
 
 
-@pytest.mark.parametrize("fields, collective", [
+@pytest.mark.parametrize(
+  "fields, collective",
+  [
     ({"muon_tp_mode": "duplicated"}, "all-gather"),
-    ({"use_layer_wise_distributed_optimizer": True}, "all-gather")])
+    ({"use_layer_wise_distributed_optimizer": True}, "all-gather"),
+  ],
+)
 def test_build_forwards_the_mesh_fields(fields, collective):
   # on a (2, 4) mesh: kernels split over model need duplicated's gather, and
   # replicated ones are shared out over data by the layer-wise optimizer
-  mesh = jax.make_mesh((2, 4), ("data", "model"),
-                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  mesh = jax.make_mesh(
+    (2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+  )
   column = P(None, "model") if "muon_tp_mode" in fields else P()
   specs = {"a": column, "b": column}
-  params = {name: jax.device_put(jnp.ones((32, 64)), NamedSharding(mesh, spec))
-            for name, spec in specs.items()}
+  params = {
+    name: jax.device_put(jnp.ones((32, 64)), NamedSharding(mesh, spec))
+    for name, spec in specs.items()
+  }
   counts = {}
-  for config in (om.MuonConfig(optimizer="muon", **fields),
-                 om.MuonConfig(optimizer="muon")):
+  for config in (
+    om.MuonConfig(optimizer="muon", **fields),
+    om.MuonConfig(optimizer="muon"),
+  ):
     tx = config.build(1e-2, mesh=mesh, specs=specs)
     with jax.set_mesh(mesh):
-      hlo = jax.jit(lambda p: tx.update(p, tx.init(p), p)[0]).lower(
-          params).compile().as_text()
+      hlo = (
+        jax.jit(lambda p: tx.update(p, tx.init(p), p)[0])
+        .lower(params)
+        .compile()
+        .as_text()
+      )
     counts[config == om.MuonConfig(optimizer="muon")] = hlo.count(
-        f" {collective}(") + hlo.count(f" {collective}-start(")
+      f" {collective}("
+    ) + hlo.count(f" {collective}-start(")
   assert counts[False] > 0 and counts[True] == 0, counts

@@ -22,13 +22,17 @@ def _blocks(path):
   return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
 
 
-BLOCKS = [(path, number, block) for path in DOCS
-          for number, block in enumerate(_blocks(path))]
+BLOCKS = [
+  (path, number, block)
+  for path in DOCS
+  for number, block in enumerate(_blocks(path))
+]
 
 
 # one test per block, so that the slow ones run in parallel
-@pytest.mark.parametrize("path, number, block", BLOCKS,
-                         ids=[f"{p.name}[{n}]" for p, n, _ in BLOCKS])
+@pytest.mark.parametrize(
+  "path, number, block", BLOCKS, ids=[f"{p.name}[{n}]" for p, n, _ in BLOCKS]
+)
 def test_code_block_runs(path, number, block):
   try:
     exec(compile(block, f"{path.name}[{number}]", "exec"), {})
@@ -38,13 +42,23 @@ def test_code_block_runs(path, number, block):
 
 def test_the_sharding_block_runs_on_one_device():
   # the tests simulate 8 CPU devices; a reader's laptop has one
-  (block,) = [b for b in _blocks(ROOT / "docs" / "guide.md")
-              if "model_axis = min(jax.device_count()" in b]
+  (block,) = [
+    b
+    for b in _blocks(ROOT / "docs" / "guide.md")
+    if "model_axis = min(jax.device_count()" in b
+  ]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  result = subprocess.run([sys.executable, "-c", block + (
-      "\nassert jax.device_count() == 1"
-      "\nprint('losses', auto)")], env=dict(env, JAX_PLATFORMS="cpu"),
-                          capture_output=True, text=True, timeout=300)
+  result = subprocess.run(
+    [
+      sys.executable,
+      "-c",
+      block + ("\nassert jax.device_count() == 1\nprint('losses', auto)"),
+    ],
+    env=dict(env, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   assert "losses" in result.stdout
 
@@ -59,20 +73,29 @@ def test_migration_tables_cover_every_argument_and_field():
 
 def test_readme_links_the_docs_and_the_notebook():
   readme = (ROOT / "README.md").read_text()
-  for target in ("docs/guide.md", "docs/troubleshooting.md",
-                 "colab.research.google.com", "notebooks/muon_quickstart.ipynb"):
+  for target in (
+    "docs/guide.md",
+    "docs/troubleshooting.md",
+    "colab.research.google.com",
+    "notebooks/muon_quickstart.ipynb",
+  ):
     assert target in readme, target
 
 
 def test_readme_small_table_is_the_recorded_comparison():
   """The `small` table quotes results/small/summary.json (compare.py's output)
   to the digits shown: each sweep point, the best lr and the ratios."""
-  summary = json.loads((ROOT / "results" / "small" / "summary.json").read_text())
+  summary = json.loads(
+    (ROOT / "results" / "small" / "summary.json").read_text()
+  )
   readme = (ROOT / "README.md").read_text()
   section = readme.split("### Three contestants on the `small` preset")[1]
   section = section.split("\n#")[0]
-  rows = {"AdamW": "adam", "`optax.contrib.muon`": "optax",
-          "optax_muon": "muon"}
+  rows = {
+    "AdamW": "adam",
+    "`optax.contrib.muon`": "optax",
+    "optax_muon": "muon",
+  }
   seen = set()
   for line in section.splitlines():
     cells = [cell.strip() for cell in line.strip("|").split("|")]
@@ -80,10 +103,15 @@ def test_readme_small_table_is_the_recorded_comparison():
     if name is None or len(cells) != 5:
       continue
     seen.add(name)
-    quoted = {float(lr): loss for lr, loss in
-              re.findall(r"([\d.e-]+): \**([\d.]+)", cells[1])}
-    recorded = {row["lr"]: f"{row['final_val_loss']:.3f}"
-                for row in summary["sweep"] if row["optimizer"] == name}
+    quoted = {
+      float(lr): loss
+      for lr, loss in re.findall(r"([\d.e-]+): \**([\d.]+)", cells[1])
+    }
+    recorded = {
+      row["lr"]: f"{row['final_val_loss']:.3f}"
+      for row in summary["sweep"]
+      if row["optimizer"] == name
+    }
     assert quoted == recorded, (name, quoted, recorded)
     best = summary["best"][name]
     assert best["bracketed"], name
@@ -91,6 +119,7 @@ def test_readme_small_table_is_the_recorded_comparison():
     assert cells[3].strip("*") == f"{best['final_val_loss']:.3f}", name
     if name != "adam":
       ratios = summary["vs_adam"][name]
-      assert cells[4] == (f"{ratios['step_ratio']:.0%} "
-                          f"({ratios['flop_ratio']:.0%} of the FLOPs)"), name
+      assert cells[4] == (
+        f"{ratios['step_ratio']:.0%} ({ratios['flop_ratio']:.0%} of the FLOPs)"
+      ), name
   assert seen == set(rows.values())

@@ -19,86 +19,150 @@ def _update(tx, params=MATRIX):
 
 # (what is built, the exception, words the message must hold)
 CASES = {
-    "unknown coefficient name": (
-        lambda: om.orthogonalize(coefficients="fastest"), ValueError,
-        ["coefficients", "quintic", "polar_express"]),
-    "custom coefficients of the wrong shape": (
-        lambda: om.newton_schulz(jnp.ones((4, 4)), coefficients=[(1.0, 2.0)]),
-        ValueError, ["coefficients", "(a, b, c)"]),
-    "steps below one": (
-        lambda: om.scale_by_muon(steps=0), ValueError, ["steps", ">= 1"]),
-    "steps not an integer": (
-        lambda: om.orthogonalize(steps=2.5), TypeError, ["steps", "integer"]),
-    "coefficient_schedule steps below one": (
-        lambda: om.coefficient_schedule("quintic", -1), ValueError, ["steps"]),
-    "beta of one": (
-        lambda: om.momentum(1.0), ValueError, ["beta", "[0.0, 1.0)"]),
-    "beta below zero": (
-        lambda: om.muon(0.01, beta=-0.1), ValueError, ["beta", "[0.0, 1.0)"]),
-    "unknown momentum style": (
-        lambda: om.momentum(style="adam"), ValueError, ["style", "ema", "sgd"]),
-    "unknown scale mode": (
-        lambda: om.scale_by_shape("rms"), ValueError,
-        ["mode", "spectral", "unit_rms_norm"]),
-    "unknown precision": (
-        lambda: om.orthogonalize(precision="fp8"), ValueError,
-        ["precision", "highest", "medium"]),
-    "unknown method": (
-        lambda: om.scale_by_muon(method="svd"), ValueError,
-        ["method", "standard"]),
-    "match_adamw_update_rms with extra_scale_factor": (
-        lambda: om.muon(0.01, match_adamw_update_rms=True,
-                        extra_scale_factor=1.0), ValueError,
-        ["match_adamw_update_rms", "extra_scale_factor", "exactly one"]),
-    "adamw beta1 out of range": (
-        lambda: om.adamw_rms_match_factor(1.5), ValueError,
-        ["adamw_beta1", "[0.0, 1.0)"]),
-    "negative extra scale": (
-        lambda: om.scale_by_muon(extra_scale_factor=-2.0), ValueError,
-        ["extra_scale_factor"]),
-    "unknown scalar optimizer": (
-        lambda: om.muon(0.01, scalar_optimizer="sgd"), ValueError,
-        ["scalar_optimizer", "adam", "lion"]),
-    "negative learning rate": (
-        lambda: om.muon(-0.01), ValueError, ["learning_rate"]),
-    "negative weight decay": (
-        lambda: om.muon(0.01, weight_decay=-1.0), ValueError, ["weight_decay"]),
-    "adam_b2 out of range": (
-        lambda: om.muon(0.01, adam_b2=1.0), ValueError, ["adam_b2"]),
-    "bad momentum dtype": (
-        lambda: om.momentum(dtype="float33"), ValueError, ["dtype"]),
-    "sharding that is not TensorParallel": (
-        lambda: om.orthogonalize(sharding="model"), ValueError,
-        ["sharding", "None"]),
-    "overlapping dimension numbers": (
-        lambda: _init(om.orthogonalize(dimension_numbers=MDN(0, 0))),
-        ValueError, ["dimension_numbers", "overlap", "leaf w"]),
-    "dimension numbers outside the array": (
-        lambda: _init(om.orthogonalize(dimension_numbers=MDN(0, 3))),
-        ValueError, ["dimension_numbers.output_axis", "leaf w", "[-2, 2)"]),
-    "dimension numbers of the wrong type": (
-        lambda: _init(om.scale_by_shape(dimension_numbers={"w": (0, 1)})),
-        TypeError, ["dimension_numbers", "MuonDimensionNumbers"]),
-    "vector sent to Muon": (
-        lambda: _update(om.muon(0.01, labels={"w": "muon"}),
-                        {"w": jnp.ones((8,))}),
-        ValueError, ["leaf w", "fewer than 2 axes", "labels"]),
-    "heads that kv heads do not divide": (
-        lambda: om.SplitQKV(num_heads=6, num_kv_heads=4, head_dim=8),
-        ValueError, ["num_kv_heads", "num_heads"]),
-    "fused QKV width that does not match": (
-        lambda: _init(om.orthogonalize(split_qkv=om.SplitQKV(4, 2, 8)),
-                      {"qkv": jnp.ones((16, 60))}),
-        ValueError, ["split_qkv", "fan-out of 64", "leaf qkv"]),
-    "unknown QKV layout": (
-        lambda: om.SplitQKV(4, 2, 8, layout="interleaved"), ValueError,
-        ["layout", "grouped", "concatenated"]),
-    "unknown label value": (
-        lambda: _update(om.muon(0.01, labels={"w": "sgd"})), ValueError,
-        ["labels", "muon", "adam"]),
-    "muon_patterns matching a vector": (
-        lambda: om.default_labels({"bias": jnp.ones(3)}, muon_patterns=["bias"]),
-        ValueError, ["muon_patterns", "bias"]),
+  "unknown coefficient name": (
+    lambda: om.orthogonalize(coefficients="fastest"),
+    ValueError,
+    ["coefficients", "quintic", "polar_express"],
+  ),
+  "custom coefficients of the wrong shape": (
+    lambda: om.newton_schulz(jnp.ones((4, 4)), coefficients=[(1.0, 2.0)]),
+    ValueError,
+    ["coefficients", "(a, b, c)"],
+  ),
+  "steps below one": (
+    lambda: om.scale_by_muon(steps=0),
+    ValueError,
+    ["steps", ">= 1"],
+  ),
+  "steps not an integer": (
+    lambda: om.orthogonalize(steps=2.5),
+    TypeError,
+    ["steps", "integer"],
+  ),
+  "coefficient_schedule steps below one": (
+    lambda: om.coefficient_schedule("quintic", -1),
+    ValueError,
+    ["steps"],
+  ),
+  "beta of one": (lambda: om.momentum(1.0), ValueError, ["beta", "[0.0, 1.0)"]),
+  "beta below zero": (
+    lambda: om.muon(0.01, beta=-0.1),
+    ValueError,
+    ["beta", "[0.0, 1.0)"],
+  ),
+  "unknown momentum style": (
+    lambda: om.momentum(style="adam"),
+    ValueError,
+    ["style", "ema", "sgd"],
+  ),
+  "unknown scale mode": (
+    lambda: om.scale_by_shape("rms"),
+    ValueError,
+    ["mode", "spectral", "unit_rms_norm"],
+  ),
+  "unknown precision": (
+    lambda: om.orthogonalize(precision="fp8"),
+    ValueError,
+    ["precision", "highest", "medium"],
+  ),
+  "unknown method": (
+    lambda: om.scale_by_muon(method="svd"),
+    ValueError,
+    ["method", "standard"],
+  ),
+  "match_adamw_update_rms with extra_scale_factor": (
+    lambda: om.muon(0.01, match_adamw_update_rms=True, extra_scale_factor=1.0),
+    ValueError,
+    ["match_adamw_update_rms", "extra_scale_factor", "exactly one"],
+  ),
+  "adamw beta1 out of range": (
+    lambda: om.adamw_rms_match_factor(1.5),
+    ValueError,
+    ["adamw_beta1", "[0.0, 1.0)"],
+  ),
+  "negative extra scale": (
+    lambda: om.scale_by_muon(extra_scale_factor=-2.0),
+    ValueError,
+    ["extra_scale_factor"],
+  ),
+  "unknown scalar optimizer": (
+    lambda: om.muon(0.01, scalar_optimizer="sgd"),
+    ValueError,
+    ["scalar_optimizer", "adam", "lion"],
+  ),
+  "negative learning rate": (
+    lambda: om.muon(-0.01),
+    ValueError,
+    ["learning_rate"],
+  ),
+  "negative weight decay": (
+    lambda: om.muon(0.01, weight_decay=-1.0),
+    ValueError,
+    ["weight_decay"],
+  ),
+  "adam_b2 out of range": (
+    lambda: om.muon(0.01, adam_b2=1.0),
+    ValueError,
+    ["adam_b2"],
+  ),
+  "bad momentum dtype": (
+    lambda: om.momentum(dtype="float33"),
+    ValueError,
+    ["dtype"],
+  ),
+  "sharding that is not TensorParallel": (
+    lambda: om.orthogonalize(sharding="model"),
+    ValueError,
+    ["sharding", "None"],
+  ),
+  "overlapping dimension numbers": (
+    lambda: _init(om.orthogonalize(dimension_numbers=MDN(0, 0))),
+    ValueError,
+    ["dimension_numbers", "overlap", "leaf w"],
+  ),
+  "dimension numbers outside the array": (
+    lambda: _init(om.orthogonalize(dimension_numbers=MDN(0, 3))),
+    ValueError,
+    ["dimension_numbers.output_axis", "leaf w", "[-2, 2)"],
+  ),
+  "dimension numbers of the wrong type": (
+    lambda: _init(om.scale_by_shape(dimension_numbers={"w": (0, 1)})),
+    TypeError,
+    ["dimension_numbers", "MuonDimensionNumbers"],
+  ),
+  "vector sent to Muon": (
+    lambda: _update(om.muon(0.01, labels={"w": "muon"}), {"w": jnp.ones((8,))}),
+    ValueError,
+    ["leaf w", "fewer than 2 axes", "labels"],
+  ),
+  "heads that kv heads do not divide": (
+    lambda: om.SplitQKV(num_heads=6, num_kv_heads=4, head_dim=8),
+    ValueError,
+    ["num_kv_heads", "num_heads"],
+  ),
+  "fused QKV width that does not match": (
+    lambda: _init(
+      om.orthogonalize(split_qkv=om.SplitQKV(4, 2, 8)),
+      {"qkv": jnp.ones((16, 60))},
+    ),
+    ValueError,
+    ["split_qkv", "fan-out of 64", "leaf qkv"],
+  ),
+  "unknown QKV layout": (
+    lambda: om.SplitQKV(4, 2, 8, layout="interleaved"),
+    ValueError,
+    ["layout", "grouped", "concatenated"],
+  ),
+  "unknown label value": (
+    lambda: _update(om.muon(0.01, labels={"w": "sgd"})),
+    ValueError,
+    ["labels", "muon", "adam"],
+  ),
+  "muon_patterns matching a vector": (
+    lambda: om.default_labels({"bias": jnp.ones(3)}, muon_patterns=["bias"]),
+    ValueError,
+    ["muon_patterns", "bias"],
+  ),
 }
 
 

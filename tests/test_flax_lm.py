@@ -11,18 +11,28 @@ import textwrap
 import numpy as np
 import pytest
 
+from conftest import ROOT
 from examples.flax_lm import checkpoint as checkpoint_lib
 from examples.flax_lm import compare as compare_lib
 from examples.flax_lm import config as config_lib
 from examples.flax_lm import qk_clip_demo
 from examples.flax_lm import train as train_lib
 from examples.flax_lm.data import ByteCorpus
-from conftest import ROOT
 
-SMALL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2",
-         "model.block_size=32", "train.batch_size=4", "train.steps=12",
-         "train.warmup_steps=2", "train.eval_every=4", "train.eval_batches=1",
-         "train.log_every=1", "train.max_bytes=200000", "train.progress=false"]
+SMALL = [
+  "model.n_layer=1",
+  "model.n_embd=32",
+  "model.n_head=2",
+  "model.block_size=32",
+  "train.batch_size=4",
+  "train.steps=12",
+  "train.warmup_steps=2",
+  "train.eval_every=4",
+  "train.eval_batches=1",
+  "train.log_every=1",
+  "train.max_bytes=200000",
+  "train.progress=false",
+]
 
 
 def _run_in_subprocess(overrides, kill_at_step=None, resume=False):
@@ -45,15 +55,25 @@ def _run_in_subprocess(overrides, kill_at_step=None, resume=False):
       train.build = killing_build
       train.main({list(overrides) + (["--resume"] if resume else [])!r})
   """)
-  return subprocess.run([sys.executable, "-c", script], capture_output=True,
-                        text=True, cwd=ROOT, timeout=300)
+  return subprocess.run(
+    [sys.executable, "-c", script],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=300,
+  )
 
 
 def _curve(out_dir):
   keep = ("step", "train_loss", "val_loss", "grad_norm", "lr")
-  return [{k: v for k, v in json.loads(line).items() if k in keep or
-           k.startswith("update_rms")}
-          for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+  return [
+    {
+      k: v
+      for k, v in json.loads(line).items()
+      if k in keep or k.startswith("update_rms")
+    }
+    for line in (out_dir / "metrics.jsonl").read_text().splitlines()
+  ]
 
 
 def test_a_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
@@ -61,22 +81,30 @@ def test_a_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
   whole = _run_in_subprocess(common + [f"train.out_dir={tmp_path / 'whole'}"])
   assert whole.returncode == 0, whole.stderr
   killed_dir = tmp_path / "killed"
-  killed = _run_in_subprocess(common + [f"train.out_dir={killed_dir}"],
-                              kill_at_step=10)
+  killed = _run_in_subprocess(
+    common + [f"train.out_dir={killed_dir}"], kill_at_step=10
+  )
   assert killed.returncode == -9  # SIGKILL after checkpoints 4 and 8
   assert not (killed_dir / "final.json").exists()
-  assert [json.loads(l)["step"] for l in (killed_dir / "metrics.jsonl")
-          .read_text().splitlines()][-1] == 10
-  resumed = _run_in_subprocess(common + [f"train.out_dir={killed_dir}"],
-                               resume=True)
+  assert [
+    json.loads(l)["step"]
+    for l in (killed_dir / "metrics.jsonl").read_text().splitlines()
+  ][-1] == 10
+  resumed = _run_in_subprocess(
+    common + [f"train.out_dir={killed_dir}"], resume=True
+  )
   assert resumed.returncode == 0, resumed.stderr
   final_whole = json.loads((tmp_path / "whole" / "final.json").read_text())
   final_resumed = json.loads((killed_dir / "final.json").read_text())
   assert final_resumed["params_sha256"] == final_whole["params_sha256"]
   assert final_resumed["final_val_loss"] == final_whole["final_val_loss"]
   assert _curve(killed_dir) == _curve(tmp_path / "whole")
-  assert set(final_whole) == {"optimizer", "steps", "final_val_loss",
-                              "params_sha256"}
+  assert set(final_whole) == {
+    "optimizer",
+    "steps",
+    "final_val_loss",
+    "params_sha256",
+  }
 
 
 def _tear(root, newer):
@@ -92,13 +120,17 @@ def _flip_one_value(root, newer):
   flipped["w"][2] = -flipped["w"][2]
   checkpoint_lib.Checkpointer(root / "other").save(2, flipped, {})
   shutil.rmtree(root / "ckpt" / "2" / "arrays")
-  shutil.copytree(root / "other" / "2" / "arrays", root / "ckpt" / "2" / "arrays")
+  shutil.copytree(
+    root / "other" / "2" / "arrays", root / "ckpt" / "2" / "arrays"
+  )
 
 
-@pytest.mark.parametrize("damage, reason", [(_tear, "checkpoint 2"),
-                                            (_flip_one_value, "SHA-256")])
+@pytest.mark.parametrize(
+  "damage, reason", [(_tear, "checkpoint 2"), (_flip_one_value, "SHA-256")]
+)
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(
-    tmp_path, caplog, damage, reason):
+  tmp_path, caplog, damage, reason
+):
   saver = checkpoint_lib.Checkpointer(tmp_path / "ckpt", keep=3)
   state = {"w": np.arange(6, dtype=np.float32), "n": np.int32(3)}
   newer = {"w": state["w"] + 1, "n": np.int32(4)}
@@ -106,8 +138,9 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(
   saver.save(2, newer, {"data_position": 2})
   damage(tmp_path, newer)
   caplog.set_level(logging.WARNING, logger="flax_lm")
-  restored, meta = checkpoint_lib.Checkpointer(tmp_path / "ckpt").restore_latest(
-      state)
+  restored, meta = checkpoint_lib.Checkpointer(
+    tmp_path / "ckpt"
+  ).restore_latest(state)
   assert meta["step"] == 1
   np.testing.assert_array_equal(restored["w"], state["w"])
   assert any(reason in r.getMessage() for r in caplog.records)
@@ -124,7 +157,9 @@ def _cli_error(capsys, argv):
 
 def test_cli_errors_are_one_line_and_a_nonzero_exit(tmp_path, capsys):
   out = [f"train.out_dir={tmp_path / 'run'}"] + SMALL
-  assert "does not exist" in _cli_error(capsys, out + ["--data", "/nonexistent"])
+  assert "does not exist" in _cli_error(
+    capsys, out + ["--data", "/nonexistent"]
+  )
   assert "unknown field" in _cli_error(capsys, out + ["model.n_layers=3"])
   (tmp_path / "run").mkdir(exist_ok=True)
   (tmp_path / "run" / "checkpoints").write_text("not a folder")
@@ -172,30 +207,41 @@ def test_compare_runs_three_contestants(tmp_path, monkeypatch):
   # one lr each, not extended (the bracketing is the next test's)
   monkeypatch.setattr(compare_lib, "MAX_EXTENSIONS", 0)
   summary = compare_lib.compare(
-      SMALL + ["train.steps=8", "train.eval_every=4"],
-      sweeps={"adam": (3e-3,), "muon": (1e-2,), "optax": (2e-2,)},
-      out=tmp_path, seeds=(0,))
+    SMALL + ["train.steps=8", "train.eval_every=4"],
+    sweeps={"adam": (3e-3,), "muon": (1e-2,), "optax": (2e-2,)},
+    out=tmp_path,
+    seeds=(0,),
+  )
   root = tmp_path / "tiny"
-  for name in ("adam.jsonl", "muon.jsonl", "optax.jsonl", "summary.json",
-               "val_loss.png"):
+  for name in (
+    "adam.jsonl",
+    "muon.jsonl",
+    "optax.jsonl",
+    "summary.json",
+    "val_loss.png",
+  ):
     assert (root / name).stat().st_size > 0, name
   for name, lr in (("adam", 3e-3), ("muon", 1e-2), ("optax", 2e-2)):
     assert summary["best"][name]["lr"] == lr
     assert not summary["best"][name]["bracketed"]  # one lr is at both edges
     assert summary["best"][name]["final_val_loss"] < np.log(256)
-  info = json.loads((root / "runs" / "tiny-optax-lr0.02-seed0" / "run.json")
-                    .read_text())
-  ours = json.loads((root / "runs" / "tiny-muon-lr0.01-seed0" / "run.json")
-                    .read_text())
+  info = json.loads(
+    (root / "runs" / "tiny-optax-lr0.02-seed0" / "run.json").read_text()
+  )
+  ours = json.loads(
+    (root / "runs" / "tiny-muon-lr0.01-seed0" / "run.json").read_text()
+  )
   # optax orthogonalizes the embeddings and the head too
   assert info["ns_flops_per_step"] > ours["ns_flops_per_step"] > 0
   assert set(summary["vs_adam"]) == {"muon", "optax"}
   # a second call reuses every finished run: nothing is trained again
   monkeypatch.setattr(compare_lib.train_lib, "train", None)
   again = compare_lib.compare(
-      SMALL + ["train.steps=8", "train.eval_every=4"],
-      sweeps={"adam": (3e-3,), "muon": (1e-2,), "optax": (2e-2,)},
-      out=tmp_path, seeds=(0,))
+    SMALL + ["train.steps=8", "train.eval_every=4"],
+    sweeps={"adam": (3e-3,), "muon": (1e-2,), "optax": (2e-2,)},
+    out=tmp_path,
+    seeds=(0,),
+  )
   assert again["best"] == summary["best"]
 
 
@@ -208,53 +254,76 @@ def test_sweep_brackets_the_best_lr_and_averages_seeds(tmp_path, monkeypatch):
     return {"final_val_loss": loss}, tmp_path / f"{lr}-{seed}"
 
   monkeypatch.setattr(compare_lib, "run_one", fake_run)
-  results, bracketed = compare_lib.sweep([], "muon", (1e-3, 2e-3), (0, 1),
-                                         tmp_path, True)
+  results, bracketed = compare_lib.sweep(
+    [], "muon", (1e-3, 2e-3), (0, 1), tmp_path, True
+  )
   assert bracketed and sorted(results) == [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2]
   assert min(results, key=lambda lr: results[lr]["final_val_loss"]) == 8e-3
   assert results[8e-3]["seeds"] == [0.0, 0.01]
   assert results[8e-3]["final_val_loss"] == pytest.approx(0.005)
   assert len(calls) == 2 * len(results)  # each lr once per seed
   monkeypatch.setattr(compare_lib, "MAX_EXTENSIONS", 1)
-  results, bracketed = compare_lib.sweep([], "muon", (1e-4,), (0,), tmp_path,
-                                         True)
+  results, bracketed = compare_lib.sweep(
+    [], "muon", (1e-4,), (0,), tmp_path, True
+  )
   assert not bracketed and sorted(results) == [1e-4, 2e-4]
 
 
 @pytest.mark.parametrize("mode", ["duplicated", "blockwise"])
 def test_muon_trains_on_a_data_model_mesh(tmp_path, mode):
   mesh = train_lib.parse_mesh("data=2,model=4")
-  cfg = config_lib.run_config(SMALL + [
-      "optim.optimizer=muon", f"optim.muon_tp_mode={mode}", "model.n_head=4",
-      "train.steps=6", f"train.out_dir={tmp_path}", "train.eval_every=6"])
+  cfg = config_lib.run_config(
+    SMALL
+    + [
+      "optim.optimizer=muon",
+      f"optim.muon_tp_mode={mode}",
+      "model.n_head=4",
+      "train.steps=6",
+      f"train.out_dir={tmp_path}",
+      "train.eval_every=6",
+    ]
+  )
   final = train_lib.train(cfg, mesh=mesh)
-  curve = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text()
-           .splitlines()]
+  curve = [
+    json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()
+  ]
   assert curve[-1]["train_loss"] < curve[0]["train_loss"]
   if mode == "duplicated":  # the full-matrix update: same run as unsharded
-    plain = train_lib.train(dataclasses.replace(
-        cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "plain")),
-        optim=dataclasses.replace(cfg.optim, muon_tp_mode=None)))
-    assert final["final_val_loss"] == pytest.approx(plain["final_val_loss"],
-                                                    abs=2e-3)
+    plain = train_lib.train(
+      dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "plain")),
+        optim=dataclasses.replace(cfg.optim, muon_tp_mode=None),
+      )
+    )
+    assert final["final_val_loss"] == pytest.approx(
+      plain["final_val_loss"], abs=2e-3
+    )
   with pytest.raises(ValueError, match="XLA_FLAGS"):
     train_lib.parse_mesh("data=4,model=4")
 
 
 def test_blockwise_split_qkv_needs_whole_heads_per_shard(tmp_path):
-  cfg = config_lib.run_config(SMALL + [  # 2 heads over 4 model shards
-      "optim.optimizer=muon", "optim.muon_tp_mode=blockwise",
-      f"train.out_dir={tmp_path}"])
+  cfg = config_lib.run_config(
+    SMALL
+    + [  # 2 heads over 4 model shards
+      "optim.optimizer=muon",
+      "optim.muon_tp_mode=blockwise",
+      f"train.out_dir={tmp_path}",
+    ]
+  )
   with pytest.raises(ValueError, match="split_qkv cannot split"):
     train_lib.train(cfg, mesh=train_lib.parse_mesh("data=2,model=4"))
 
 
-@pytest.mark.parametrize("model", [
-    [], ["model.attention=mla", "model.mlp=swiglu"]], ids=["gqa", "mla"])
+@pytest.mark.parametrize(
+  "model", [[], ["model.attention=mla", "model.mlp=swiglu"]], ids=["gqa", "mla"]
+)
 def test_qk_clip_demo_holds_the_logits_at_tau(tmp_path, model):
   tau = 1.0  # below what this small model reaches: the clip must act
   summary = qk_clip_demo.demo(
-      SMALL + model + [f"optim.qk_clip_threshold={tau}"], out=tmp_path)
+    SMALL + model + [f"optim.qk_clip_threshold={tau}"], out=tmp_path
+  )
   for name in ("summary.json", "qk_clip.png", "plain.jsonl", "clip.jsonl"):
     assert (tmp_path / name).stat().st_size > 0, name
   plain, clipped = summary["without QK-clip"], summary["with QK-clip"]
@@ -263,40 +332,56 @@ def test_qk_clip_demo_holds_the_logits_at_tau(tmp_path, model):
   assert clipped["max_logit_last_quarter"] < 1.5 * tau
 
 
-@pytest.mark.parametrize("fields", [
-    {}, {"scan_layers": True, "fused_qkv": False, "n_kv_head": 2},
+@pytest.mark.parametrize(
+  "fields",
+  [
+    {},
+    {"scan_layers": True, "fused_qkv": False, "n_kv_head": 2},
     {"attention": "mla", "mlp": "swiglu"},
-    {"attention": "mla", "scan_layers": True}])
+    {"attention": "mla", "scan_layers": True},
+  ],
+)
 def test_cached_decoding_equals_the_full_forward(fields):
   # a prefill of 12 tokens, then one token at a time over the cache, gives
   # the logits the causal forward gives at every position
   import jax
   import jax.numpy as jnp
   from flax import nnx
-  from examples.flax_lm.model import GPT, GPTConfig
+
+  from examples.flax_lm.model import GPT
+  from examples.flax_lm.model import GPTConfig
+
   cfg = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=24, **fields)
   model = GPT(cfg, nnx.Rngs(0))
   tokens = jax.random.randint(jax.random.key(1), (3, 16), 0, 256)
   logits, cache = model.decode(tokens[:, :12], model.init_cache(3, 24), 0)
   pieces = [logits]
   for position in range(12, 16):
-    logits, cache = model.decode(tokens[:, position:position + 1], cache,
-                                 position)
+    logits, cache = model.decode(
+      tokens[:, position : position + 1], cache, position
+    )
     pieces.append(logits)
-  np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), model(tokens),
-                             atol=2e-5)
+  np.testing.assert_allclose(
+    jnp.concatenate(pieces, axis=1), model(tokens), atol=2e-5
+  )
 
 
 def test_checkpointer_keeps_the_best_besides_the_latest(tmp_path):
   # with best_metric, orbax keeps the newest and the highest-scoring step
-  saver = checkpoint_lib.Checkpointer(tmp_path / "ckpt", keep=1,
-                                      best_metric="accuracy")
+  saver = checkpoint_lib.Checkpointer(
+    tmp_path / "ckpt", keep=1, best_metric="accuracy"
+  )
   for step, accuracy in [(10, 0.3), (20, 0.5), (30, 0.4), (40, 0.2)]:
-    saver.save(step, {"w": np.full(3, step, np.float32)}, {},
-               metrics={"accuracy": accuracy})
+    saver.save(
+      step,
+      {"w": np.full(3, step, np.float32)},
+      {},
+      metrics={"accuracy": accuracy},
+    )
   assert saver.best_step() == 20
   assert sorted(saver._manager.all_steps()) == [20, 40]
-  restored, meta = saver.restore(saver.best_step(),
-                                 {"w": np.zeros(3, np.float32)})
+  restored, meta = saver.restore(
+    saver.best_step(), {"w": np.zeros(3, np.float32)}
+  )
   assert meta["step"] == 20
   np.testing.assert_array_equal(restored["w"], np.full(3, 20, np.float32))

@@ -7,19 +7,22 @@ import pytest
 from examples.grpo_arith import task
 
 
-@pytest.mark.parametrize("text,answer,well_formed", [
+@pytest.mark.parametrize(
+  "text,answer,well_formed",
+  [
     ("3 + 4 = 7. \\boxed{7}", 7, True),
     ("\\boxed{-12}", -12, True),
-    ("so \\boxed{7} and 9", 7, True),           # the box wins over a later 9
-    ("\\boxed{}", None, False),                 # empty box
-    ("the sum is 5 \\boxed{}", 5, False),       # empty: the last integer
-    ("\\boxed{12", 12, False),                  # unclosed
-    ("\\boxed{{3}}", 3, False),                 # nested braces
-    ("\\boxed{3} \\boxed{4}", 4, False),        # two boxes
-    ("\\boxed{3.5}", 5, False),                 # not an integer
+    ("so \\boxed{7} and 9", 7, True),  # the box wins over a later 9
+    ("\\boxed{}", None, False),  # empty box
+    ("the sum is 5 \\boxed{}", 5, False),  # empty: the last integer
+    ("\\boxed{12", 12, False),  # unclosed
+    ("\\boxed{{3}}", 3, False),  # nested braces
+    ("\\boxed{3} \\boxed{4}", 4, False),  # two boxes
+    ("\\boxed{3.5}", 5, False),  # not an integer
     ("no number at all", None, False),
-    ("it is -8", -8, False),                    # a negative without a box
-])
+    ("it is -8", -8, False),  # a negative without a box
+  ],
+)
 def test_extract_answer_and_format(text, answer, well_formed):
   assert task.format_ok(text) is well_formed
   assert task.extract_answer(text) == answer
@@ -28,10 +31,10 @@ def test_extract_answer_and_format(text, answer, well_formed):
 def test_shaped_and_strict_rewards():
   assert task.reward("\\boxed{7}", 7) == pytest.approx(1.0)
   assert task.reward("\\boxed{6}", 7) == pytest.approx(0.3)  # format only
-  assert task.reward("it is 7", 7) == pytest.approx(0.7)     # box lost
+  assert task.reward("it is 7", 7) == pytest.approx(0.7)  # box lost
   assert task.reward("it is 6", 7) == 0.0
   assert task.reward("\\boxed{7}", 7, shaped=False) == 1.0
-  assert task.reward("it is 7", 7, shaped=False) == 0.0      # format collapse
+  assert task.reward("it is 7", 7, shaped=False) == 0.0  # format collapse
   assert task.reward("\\boxed{6}", 7, shaped=False) == 0.0
 
 

@@ -10,8 +10,9 @@ import optax
 import pytest
 
 import optax_muon as om
-from conftest import DATA, gaussian
+from conftest import DATA
 from conftest import close_to_max as _close
+from conftest import gaussian
 
 REFERENCE = json.loads((DATA / "eo_muon_hyperball.json").read_text())
 ARRAYS = np.load(DATA / "eo_muon_hyperball.npz")
@@ -25,14 +26,23 @@ MDN = om.MuonDimensionNumbers
 def test_every_muon_hyperball_case_matches_eo(case_id, orientation):
   case = CASES[case_id]
   kw = case["effective_kwargs"]
-  turn = (lambda x: np.asarray(x)) if orientation == "torch" else (
-      lambda x: np.swapaxes(np.asarray(x), -1, -2))
+  turn = (
+    (lambda x: np.asarray(x))
+    if orientation == "torch"
+    else (lambda x: np.swapaxes(np.asarray(x), -1, -2))
+  )
   dims = MDN((1,), (0,)) if orientation == "torch" else MDN((0,), (1,))
   tx = om.muon_hyperball(
-      kw["lr"], radius=kw["hyperball_radius"],
-      hyperball_eps=kw["hyperball_eps"], weight_decay=kw["weight_decay"],
-      beta=kw["momentum"], nesterov=kw["nesterov"], precision="highest",
-      labels={"w": "muon"}, dimension_numbers={"w": dims})
+    kw["lr"],
+    radius=kw["hyperball_radius"],
+    hyperball_eps=kw["hyperball_eps"],
+    weight_decay=kw["weight_decay"],
+    beta=kw["momentum"],
+    nesterov=kw["nesterov"],
+    precision="highest",
+    labels={"w": "muon"},
+    dimension_numbers={"w": dims},
+  )
   params = {"w": jnp.asarray(turn(INPUTS[f"{case['input']}/W0"]))}
   grads = INPUTS[f"{case['input']}/grads"]
   state = tx.init(params)
@@ -43,8 +53,11 @@ def test_every_muon_hyperball_case_matches_eo(case_id, orientation):
     step = lambda key: ARRAYS[f"{case_id}/{k}/{key}"]
     _close(turn(params["w"]), step("param"))
     # the applied step keeps the norm: the radius EO used this step
-    np.testing.assert_allclose(float(jnp.linalg.norm(params["w"])),
-                               float(step("hyperball_R")[0]), rtol=1e-5)
+    np.testing.assert_allclose(
+      float(jnp.linalg.norm(params["w"])),
+      float(step("hyperball_R")[0]),
+      rtol=1e-5,
+    )
     inner = state.inner_states["muon"].inner_state[0][0]
     _close(turn(inner.mu["w"]), step("momentum_buffer"))
 
@@ -58,8 +71,9 @@ def test_weight_decay_without_a_radius_shrinks_the_radius():
     updates, state = tx.update({"w": gaussian((16, 32), 2)}, state, params)
     params = optax.apply_updates(params, updates)
     radius *= 1 - 0.1 * 0.5
-    assert float(jnp.linalg.norm(params["w"])) == pytest.approx(radius,
-                                                                rel=1e-5)
+    assert float(jnp.linalg.norm(params["w"])) == pytest.approx(
+      radius, rel=1e-5
+    )
 
 
 # -- PolarGrad (the same EO inputs) -------------------------------------------
@@ -72,21 +86,32 @@ POLARGRAD_ARRAYS = np.load(DATA / "eo_polargrad.npz")
 @pytest.mark.parametrize("case", POLARGRAD, ids=[c["id"] for c in POLARGRAD])
 def test_every_polargrad_case_matches_eo(case, orientation):
   kw = case["effective_kwargs"]
-  turn = (lambda x: np.asarray(x)) if orientation == "torch" else (
-      lambda x: np.swapaxes(np.asarray(x), -1, -2))
+  turn = (
+    (lambda x: np.asarray(x))
+    if orientation == "torch"
+    else (lambda x: np.swapaxes(np.asarray(x), -1, -2))
+  )
   dims = MDN((1,), (0,)) if orientation == "torch" else MDN((0,), (1,))
-  tx = om.polargrad(kw["lr"], beta=kw["momentum"], nesterov=kw["nesterov"],
-                    weight_decay=kw["weight_decay"], labels={"w": "muon"},
-                    dimension_numbers={"w": dims})
+  tx = om.polargrad(
+    kw["lr"],
+    beta=kw["momentum"],
+    nesterov=kw["nesterov"],
+    weight_decay=kw["weight_decay"],
+    labels={"w": "muon"},
+    dimension_numbers={"w": dims},
+  )
   params = {"w": jnp.asarray(turn(INPUTS[f"{case['input']}/W0"]))}
   grads = INPUTS[f"{case['input']}/grads"]
   state = tx.init(params)
   for k in range(case["n_steps"]):
     before = params["w"]
-    updates, state = tx.update({"w": jnp.asarray(turn(grads[k]))}, state,
-                               params)
+    updates, state = tx.update(
+      {"w": jnp.asarray(turn(grads[k]))}, state, params
+    )
     params = optax.apply_updates(params, updates)
     step = lambda key: POLARGRAD_ARRAYS[f"{case['id']}/{k}/{key}"]
     _close(turn(params["w"]), step("param"))
-    _close(turn(-updates["w"] / kw["lr"] - kw["weight_decay"] * before),
-           step("update"))
+    _close(
+      turn(-updates["w"] / kw["lr"] - kw["weight_decay"] * before),
+      step("update"),
+    )

@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 import optax_muon as om
-from optax_muon import _uses
 from conftest import gaussian
+from optax_muon import _uses
 
 MDN = om.MuonDimensionNumbers
 
@@ -21,9 +21,11 @@ def _scanned_mlp(params, x):
 
 def test_a_scan_over_stacked_layers_is_read_on_this_jax():
   # jax >= 0.11 replaced the scan's num_consts/num_carry by ft_in
-  layout = om.infer_layout(_scanned_mlp, {"w": jnp.zeros((3, 8, 8)),
-                                          "head": jnp.zeros((8, 4))},
-                           jnp.ones((2, 8)))
+  layout = om.infer_layout(
+    _scanned_mlp,
+    {"w": jnp.zeros((3, 8, 8)), "head": jnp.zeros((8, 4))},
+    jnp.ones((2, 8)),
+  )
   assert layout.roles == {"w": "matrix", "head": "head"}
   assert layout.dimension_numbers["w"] == MDN((1,), (2,))
   assert layout.labels == {"w": "muon", "head": "adam"}
@@ -37,6 +39,7 @@ def test_scan_operand_counts_split_consts_carry_and_xs():
       a, b = carry
       u, v = pair
       return (a + u * const, b * v), a
+
     return jax.lax.scan(body, (x, x), (xs, xs))
 
   jaxpr = jax.make_jaxpr(two_carries)(jnp.ones(4), jnp.ones((3, 4))).jaxpr
@@ -51,15 +54,19 @@ def test_a_closed_over_layer_inside_a_scan_body_is_a_const():
     step = lambda h, w: (jnp.tanh((h @ params["shared"]) @ w), None)
     return jax.lax.scan(step, x, params["w"])[0]
 
-  layout = om.infer_layout(f, {"w": jnp.zeros((3, 8, 8)),
-                               "shared": jnp.zeros((8, 8))},
-                           jnp.ones((2, 8)), output=lambda out: ())
-  assert layout.dimension_numbers == {"w": MDN((1,), (2,)),
-                                      "shared": MDN((0,), (1,))}
+  layout = om.infer_layout(
+    f,
+    {"w": jnp.zeros((3, 8, 8)), "shared": jnp.zeros((8, 8))},
+    jnp.ones((2, 8)),
+    output=lambda out: (),
+  )
+  assert layout.dimension_numbers == {
+    "w": MDN((1,), (2,)),
+    "shared": MDN((0,), (1,)),
+  }
 
 
 class DropoutMLP(nnx.Module):
-
   def __init__(self, rngs):
     self.a = nnx.Linear(8, 16, rngs=rngs)
     self.drop = nnx.Dropout(0.1, rngs=rngs)
@@ -70,16 +77,24 @@ class DropoutMLP(nnx.Module):
 
 
 def _non_params(model):
-  return jax.tree.map(np.asarray, nnx.state(model, nnx.Not(nnx.Param)),
-                      is_leaf=lambda x: isinstance(x, jax.Array))
+  return jax.tree.map(
+    np.asarray,
+    nnx.state(model, nnx.Not(nnx.Param)),
+    is_leaf=lambda x: isinstance(x, jax.Array),
+  )
 
 
 def _same(before, after):
-  key_data = lambda x: (jax.random.key_data(x) if jnp.issubdtype(
-      x.dtype, jax.dtypes.prng_key) else x)
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(key_data(a),
-                                                          key_data(b)),
-               before, after)
+  key_data = lambda x: (
+    jax.random.key_data(x)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+    else x
+  )
+  jax.tree.map(
+    lambda a, b: np.testing.assert_array_equal(key_data(a), key_data(b)),
+    before,
+    after,
+  )
 
 
 def test_a_model_with_active_dropout_is_traced_and_left_unchanged():
@@ -94,7 +109,6 @@ def test_a_model_with_active_dropout_is_traced_and_left_unchanged():
 
 
 class BatchNormMLP(nnx.Module):
-
   def __init__(self, rngs):
     self.a = nnx.Linear(8, 16, rngs=rngs)
     self.norm = nnx.BatchNorm(16, use_running_average=False, rngs=rngs)
@@ -122,7 +136,6 @@ class RoutingBias(nnx.Variable):
 
 
 class Router(nnx.Module):
-
   def __init__(self):
     self.bias = RoutingBias(jnp.zeros((4,)))
 
@@ -139,8 +152,10 @@ class BiasUpdatingMoE(nnx.Module):
   def __call__(self, x):
     scores = self.gate(x) + self.router.bias[...]
     load = jax.nn.softmax(scores).mean(axis=0)
-    nnx.update(self.router, nnx.State({"bias": self.router.bias[...] -
-                                        0.01 * (load - 0.25)}))
+    nnx.update(
+      self.router,
+      nnx.State({"bias": self.router.bias[...] - 0.01 * (load - 0.25)}),
+    )
     return self.up(x * jax.nn.sigmoid(scores.max(axis=-1, keepdims=True)))
 
 
@@ -159,13 +174,15 @@ def test_a_forward_pass_that_calls_nnx_update_is_traced():
 def _in_shard_map(f):
   mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
   spec = jax.sharding.PartitionSpec()
-  return lambda w, h: jax.shard_map(f, mesh=mesh, in_specs=(spec, spec),
-                                    out_specs=spec)(w, h)
+  return lambda w, h: jax.shard_map(
+    f, mesh=mesh, in_specs=(spec, spec), out_specs=spec
+  )(w, h)
 
 
 def _in_fori(f):  # a traced trip count: a while loop
-  return lambda w, h: jax.lax.fori_loop(0, jnp.int32(h.shape[0]) * 0 + 2,
-                                        lambda i, a: f(w, a), h)
+  return lambda w, h: jax.lax.fori_loop(
+    0, jnp.int32(h.shape[0]) * 0 + 2, lambda i, a: f(w, a), h
+  )
 
 
 @jax.custom_vjp
@@ -173,16 +190,17 @@ def _custom(w, h):
   return h @ w
 
 
-_custom.defvjp(lambda w, h: (h @ w, (w, h)),
-               lambda res, g: (res[1].T @ g, g @ res[0].T))
+_custom.defvjp(
+  lambda w, h: (h @ w, (w, h)), lambda res, g: (res[1].T @ g, g @ res[0].T)
+)
 
 WRAPPERS = {
-    "jit": jax.jit,
-    "remat": jax.checkpoint,
-    "cond": lambda f: lambda w, h: jax.lax.cond(h[0, 0] > 0, f, f, w, h),
-    "while": _in_fori,
-    "shard_map": _in_shard_map,
-    "custom_vjp": lambda f: _custom,
+  "jit": jax.jit,
+  "remat": jax.checkpoint,
+  "cond": lambda f: lambda w, h: jax.lax.cond(h[0, 0] > 0, f, f, w, h),
+  "while": _in_fori,
+  "shard_map": _in_shard_map,
+  "custom_vjp": lambda f: _custom,
 }
 
 
@@ -193,8 +211,9 @@ def test_a_matmul_inside_each_sub_program_is_read(wrapper):
   def f(params, x):
     return inner(params["w"], x) @ params["head"]
 
-  layout = om.infer_layout(f, {"w": jnp.zeros((8, 8)),
-                               "head": jnp.zeros((8, 4))}, jnp.ones((2, 8)))
+  layout = om.infer_layout(
+    f, {"w": jnp.zeros((8, 8)), "head": jnp.zeros((8, 4))}, jnp.ones((2, 8))
+  )
   assert layout.roles == {"w": "matrix", "head": "head"}, layout.reasons
   assert layout.dimension_numbers["w"] == MDN((0,), (1,))
 
@@ -208,8 +227,12 @@ def test_concatenated_and_padded_sinks_are_vectors():
     padded = jnp.pad(params["bias"], (0, 1))
     return jax.nn.softmax(joined + padded, axis=-1).sum(-1) @ params["out"]
 
-  params = {"q": jnp.zeros((8, 4)), "sinks": jnp.zeros((4,)),
-            "bias": jnp.zeros((1,)), "out": jnp.zeros((4, 8))}
+  params = {
+    "q": jnp.zeros((8, 4)),
+    "sinks": jnp.zeros((4,)),
+    "bias": jnp.zeros((1,)),
+    "out": jnp.zeros((4, 8)),
+  }
   layout = om.infer_layout(attend, params, jnp.ones((2, 8)))
   assert layout.roles["sinks"] == "vector", layout.reasons["sinks"]
   assert layout.roles["bias"] == "vector", layout.reasons["bias"]
@@ -218,6 +241,7 @@ def test_concatenated_and_padded_sinks_are_vectors():
 
 # -- structure over names: what the program does with a matmul's product ------
 
+
 def _attention(q_kernel_spec, kv):
   def attend(params, x):
     q = jnp.einsum(q_kernel_spec, x, params["q"])
@@ -225,20 +249,24 @@ def _attention(q_kernel_spec, kv):
     scores = jnp.einsum("btnh,bsnh->bnts", q, k)
     out = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores), v)
     return jnp.einsum("btnh,nhd->btd", out, params["o"])
+
   return attend
 
 
 GEMMA_KV = lambda x, p: jnp.einsum("bsd,ckdh->cbskh", x, p["kv_einsum"])
-LLAMA_KV = lambda x, p: (jnp.einsum("bsd,dkh->bskh", x, p["k"]),
-                         jnp.einsum("bsd,dkh->bskh", x, p["v"]))
+LLAMA_KV = lambda x, p: (
+  jnp.einsum("bsd,dkh->bskh", x, p["k"]),
+  jnp.einsum("bsd,dkh->bskh", x, p["v"]),
+)
 X = gaussian((2, 5, 16), 9)
 
 
 def _per_matrix_update(grad, to_matrices, from_matrices):
   matrices = to_matrices(np.asarray(grad))
   scale = np.sqrt(max(matrices.shape[-2:]))
-  return from_matrices(np.asarray(om.newton_schulz(jnp.asarray(matrices)))
-                       * scale)
+  return from_matrices(
+    np.asarray(om.newton_schulz(jnp.asarray(matrices))) * scale
+  )
 
 
 def _direction(params, layout, grads):
@@ -253,31 +281,45 @@ def _assert_one_matrix_per_part(params, layout, name):
   grads = {k: gaussian(v.shape, 3) for k, v in params.items()}
   got = _direction(params, layout, grads)[name]
   want = _per_matrix_update(
-      grads[name],
-      lambda g: g.transpose(0, 2, 1, 3).reshape(parts, d, heads * h),
-      lambda m: m.reshape(parts, d, heads, h).transpose(0, 2, 1, 3))
+    grads[name],
+    lambda g: g.transpose(0, 2, 1, 3).reshape(parts, d, heads * h),
+    lambda m: m.reshape(parts, d, heads, h).transpose(0, 2, 1, 3),
+  )
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_llama_and_gemma_query_kernels_are_one_matrix_each():
-  llama = {"q": jnp.zeros((16, 2, 8)), "k": jnp.zeros((16, 2, 8)),
-           "v": jnp.zeros((16, 2, 8)), "o": jnp.zeros((2, 8, 16))}
-  layout = om.infer_layout(_attention("btd,dnh->btnh", LLAMA_KV), llama, X,
-                           output=lambda out: ())
+  llama = {
+    "q": jnp.zeros((16, 2, 8)),
+    "k": jnp.zeros((16, 2, 8)),
+    "v": jnp.zeros((16, 2, 8)),
+    "o": jnp.zeros((2, 8, 16)),
+  }
+  layout = om.infer_layout(
+    _attention("btd,dnh->btnh", LLAMA_KV), llama, X, output=lambda out: ()
+  )
   assert layout.dimension_numbers["q"] == MDN((0,), (1, 2))  # (D, N, H)
   assert layout.dimension_numbers["o"] == MDN((0, 1), (2,))
-  gemma = {"q": jnp.zeros((2, 16, 8)), "kv_einsum": jnp.zeros((2, 2, 16, 8)),
-           "o": jnp.zeros((2, 8, 16))}
-  layout = om.infer_layout(_attention("btd,ndh->btnh", GEMMA_KV), gemma, X,
-                           output=lambda out: ())
+  gemma = {
+    "q": jnp.zeros((2, 16, 8)),
+    "kv_einsum": jnp.zeros((2, 2, 16, 8)),
+    "o": jnp.zeros((2, 8, 16)),
+  }
+  layout = om.infer_layout(
+    _attention("btd,ndh->btnh", GEMMA_KV), gemma, X, output=lambda out: ()
+  )
   assert layout.dimension_numbers["q"] == MDN((1,), (0, 2))  # (N, D, H)
 
 
 def test_gemmas_fused_kv_is_two_matrices():
-  params = {"q": jnp.zeros((2, 16, 8)), "kv_einsum": jnp.zeros((2, 2, 16, 8)),
-            "o": jnp.zeros((2, 8, 16))}
-  layout = om.infer_layout(_attention("btd,ndh->btnh", GEMMA_KV), params, X,
-                           output=lambda out: ())
+  params = {
+    "q": jnp.zeros((2, 16, 8)),
+    "kv_einsum": jnp.zeros((2, 2, 16, 8)),
+    "o": jnp.zeros((2, 8, 16)),
+  }
+  layout = om.infer_layout(
+    _attention("btd,ndh->btnh", GEMMA_KV), params, X, output=lambda out: ()
+  )
   assert layout.dimension_numbers["kv_einsum"] == MDN((2,), (1, 3))
   assert "indexed apart" in layout.reasons["kv_einsum"]
   _assert_one_matrix_per_part(params, layout, "kv_einsum")  # K and V
@@ -305,17 +347,22 @@ def test_a_dense_moe_under_any_name_has_an_expert_axis():
     weights = jax.nn.softmax(x @ p["gate"])
     return jnp.einsum("bted,bte->btd", out, weights)
 
-  params = {"MoeBlock_0": {"wi_0": jnp.zeros((4, 16, 32)),
-                           "wo": jnp.zeros((4, 32, 16)),
-                           "gate": jnp.zeros((16, 4))}}
+  params = {
+    "MoeBlock_0": {
+      "wi_0": jnp.zeros((4, 16, 32)),
+      "wo": jnp.zeros((4, 32, 16)),
+      "gate": jnp.zeros((16, 4)),
+    }
+  }
   layout = om.infer_layout(block, params, X, output=lambda out: ())
   dims = layout.dimension_numbers["MoeBlock_0"]
   assert dims["wi_0"] == MDN((1,), (2,)) and dims["wo"] == MDN((1,), (2,))
   assert "expert axis" in layout.reasons["MoeBlock_0"]["wi_0"]
   grads = jax.tree.map(lambda v: gaussian(v.shape, 5), params)
   got = _direction(params, layout, grads)["MoeBlock_0"]["wi_0"]
-  want = _per_matrix_update(grads["MoeBlock_0"]["wi_0"], lambda g: g,
-                            lambda m: m)
+  want = _per_matrix_update(
+    grads["MoeBlock_0"]["wi_0"], lambda g: g, lambda m: m
+  )
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 
@@ -337,8 +384,9 @@ def test_a_stacked_weight_unpacked_by_python_is_one_matrix_per_part():
     first, second = params["w"]
     return jnp.tanh(x @ first) @ second
 
-  layout = om.infer_layout(f, {"w": jnp.zeros((2, 8, 8))}, jnp.ones((2, 8)),
-                           output=lambda out: ())
+  layout = om.infer_layout(
+    f, {"w": jnp.zeros((2, 8, 8))}, jnp.ones((2, 8)), output=lambda out: ()
+  )
   assert layout.dimension_numbers["w"] == MDN((1,), (2,))
 
 
@@ -355,8 +403,9 @@ class GemmaKVLoRA(nnx.Module):
 
   def __call__(self, x):
     q = jnp.einsum("btd,ndh->btnh", x, self.q[...])
-    kv = (jnp.einsum("bsd,ckdh->cbskh", x, self.kv[...]) +
-          jnp.einsum("bsr,rckh->cbskh", x @ self.kv_a[...], self.kv_b[...]))
+    kv = jnp.einsum("bsd,ckdh->cbskh", x, self.kv[...]) + jnp.einsum(
+      "bsr,rckh->cbskh", x @ self.kv_a[...], self.kv_b[...]
+    )
     k, v = kv
     scores = jnp.einsum("btnh,bsnh->bnts", q, k)
     out = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores), v)

@@ -22,8 +22,11 @@ def _update(tx, params, grads):
 
 # -- no guessed views --------------------------------------------------------
 
-LLAMA = {"q_proj": gaussian((16, 4, 8), 0), "o_proj": gaussian((4, 8, 16), 1),
-         "mlp": gaussian((16, 32), 2)}
+LLAMA = {
+  "q_proj": gaussian((16, 4, 8), 0),
+  "o_proj": gaussian((4, 8, 16), 1),
+  "mlp": gaussian((16, 32), 2),
+}
 
 
 def test_a_kernel_of_three_axes_without_dimension_numbers_raises_at_init():
@@ -38,12 +41,16 @@ def test_a_kernel_of_three_axes_without_dimension_numbers_raises_at_init():
 
 def test_leading_is_the_old_view_bit_for_bit():
   # the old default: the last two axes (in, out), the leading ones batch
-  old = {"q_proj": MDN((1,), (2,)), "o_proj": MDN((1,), (2,)),
-         "mlp": MDN((0,), (1,))}
+  old = {
+    "q_proj": MDN((1,), (2,)),
+    "o_proj": MDN((1,), (2,)),
+    "mlp": MDN((0,), (1,)),
+  }
   grads = jax.tree.map(lambda p: gaussian(p.shape, 7), LLAMA)
   chex.assert_trees_all_equal(
-      _update(om.muon(1e-2, dimension_numbers="leading"), LLAMA, grads),
-      _update(om.muon(1e-2, dimension_numbers=old), LLAMA, grads))
+    _update(om.muon(1e-2, dimension_numbers="leading"), LLAMA, grads),
+    _update(om.muon(1e-2, dimension_numbers=old), LLAMA, grads),
+  )
 
 
 def test_an_unknown_dimension_numbers_string_raises_when_built():
@@ -69,6 +76,7 @@ def test_compat_keeps_optax_behaviour_for_three_axes():
 
 # -- layout= -----------------------------------------------------------------
 
+
 def _llama(params, x):
   h = jnp.einsum("bd,dnh->bnh", x, params["q_proj"])
   h = jnp.einsum("bnh,nhd->bd", jnp.tanh(h), params["o_proj"])
@@ -76,25 +84,34 @@ def _llama(params, x):
 
 
 def test_layout_gives_labels_and_views_of_every_ready_made_optimizer():
-  layout = om.infer_layout(_llama, LLAMA, jnp.ones((2, 16)),
-                           output=lambda out: ())
+  layout = om.infer_layout(
+    _llama, LLAMA, jnp.ones((2, 16)), output=lambda out: ()
+  )
   assert layout.dimension_numbers["q_proj"] == MDN((0,), (1, 2))
   assert layout.dimension_numbers["o_proj"] == MDN((0, 1), (2,))
   grads = jax.tree.map(lambda p: gaussian(p.shape, 7), LLAMA)
-  by_hand = om.muon(1e-2, labels=layout.labels,
-                    dimension_numbers=layout.dimension_numbers)
+  by_hand = om.muon(
+    1e-2, labels=layout.labels, dimension_numbers=layout.dimension_numbers
+  )
   want = _update(by_hand, LLAMA, grads)
-  chex.assert_trees_all_equal(_update(om.muon(1e-2, layout=layout), LLAMA,
-                                      grads), want)
-  config = om.MuonConfig(optimizer="muon", clip_grad=0.0, weight_decay=0.0,
-                         muon_fp32_matmul_prec="highest")
-  assert jax.tree.leaves(_update(config.build(1e-2, layout=layout), LLAMA,
-                                 grads))
+  chex.assert_trees_all_equal(
+    _update(om.muon(1e-2, layout=layout), LLAMA, grads), want
+  )
+  config = om.MuonConfig(
+    optimizer="muon",
+    clip_grad=0.0,
+    weight_decay=0.0,
+    muon_fp32_matmul_prec="highest",
+  )
+  assert jax.tree.leaves(
+    _update(config.build(1e-2, layout=layout), LLAMA, grads)
+  )
   # scale_by_muon takes the views
   direction = _update(om.scale_by_muon(layout=layout), LLAMA, grads)
   want_q = om.newton_schulz(grads["q_proj"].reshape(16, 32)) * np.sqrt(32)
-  np.testing.assert_allclose(direction["q_proj"].reshape(16, 32), want_q,
-                             atol=1e-5)
+  np.testing.assert_allclose(
+    direction["q_proj"].reshape(16, 32), want_q, atol=1e-5
+  )
 
 
 @pytest.mark.parametrize("other", ["labels", "dimension_numbers"])
@@ -111,7 +128,6 @@ def test_a_layout_that_is_not_one_is_a_type_error():
 
 
 class LoRAModel(nnx.Module):
-
   def __init__(self, rngs):
     self.embed = nnx.Embed(50, 16, rngs=rngs)
     self.a = nnx.LoRALinear(16, 32, lora_rank=4, rngs=rngs)
@@ -140,24 +156,31 @@ def test_a_whole_model_layout_serves_an_optimizer_of_the_adapters():
   layout = om.infer_layout(model, TOKENS)  # covers base and head too
   base = nnx.state(model, nnx.Not(nnx.LoRAParam))
   before = jax.tree.map(np.array, base)
-  optimizer = nnx.Optimizer(model, om.muon(1e-2, layout=layout),
-                            wrt=nnx.LoRAParam)
+  optimizer = nnx.Optimizer(
+    model, om.muon(1e-2, layout=layout), wrt=nnx.LoRAParam
+  )
   loss = lambda m: optax.softmax_cross_entropy_with_integer_labels(
-      m(TOKENS), TOKENS).mean()
+    m(TOKENS), TOKENS
+  ).mean()
   losses = []
   for _ in range(3):
-    value, grads = nnx.value_and_grad(loss, argnums=nnx.DiffState(
-        0, nnx.LoRAParam))(model)
+    value, grads = nnx.value_and_grad(
+      loss, argnums=nnx.DiffState(0, nnx.LoRAParam)
+    )(model)
     optimizer.update(model, grads)
     losses.append(float(value))
   assert losses[-1] < losses[0]
-  jax.tree.map(np.testing.assert_array_equal, before,
-               jax.tree.map(np.array, nnx.state(model, nnx.Not(nnx.LoRAParam))))
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    before,
+    jax.tree.map(np.array, nnx.state(model, nnx.Not(nnx.LoRAParam))),
+  )
 
 
 def test_a_hand_written_tree_still_names_only_existing_paths():
-  with pytest.raises(ValueError, match="no parameter path; the optimizer "
-                     "sees 3 leaves"):
+  with pytest.raises(
+    ValueError, match="no parameter path; the optimizer sees 3 leaves"
+  ):
     om.muon(1e-2, labels={"zzz_unrelated_9": "adam"}).init(LLAMA)
 
 
@@ -168,41 +191,53 @@ def test_infer_layout_of_a_module_without_inputs_asks_for_them():
 
 # -- the defaults that used to surprise ----------------------------------------
 
+
 def test_learning_rate_none_raises():
   with pytest.raises(ValueError, match="learning_rate=None"):
     om.muon(None)
 
 
 def test_adam_patterns_extend_the_built_in_ones():
-  params = {"embed": jnp.zeros((50, 16)), "router": jnp.zeros((16, 4)),
-            "mlp": jnp.zeros((16, 16))}
+  params = {
+    "embed": jnp.zeros((50, 16)),
+    "router": jnp.zeros((16, 4)),
+    "mlp": jnp.zeros((16, 16)),
+  }
   labels = om.default_labels(params, adam_patterns=("router",))
   assert labels == {"embed": "adam", "router": "adam", "mlp": "muon"}
 
 
 def test_a_pattern_that_matches_nothing_raises_naming_it():
   params = {"embed": jnp.zeros((50, 16)), "mlp": jnp.zeros((16, 16))}
-  tx = om.muon(1e-2, labels=lambda p: om.default_labels(
-      p, adam_patterns=("routr",)))
+  tx = om.muon(
+    1e-2, labels=lambda p: om.default_labels(p, adam_patterns=("routr",))
+  )
   with pytest.raises(ValueError, match="'routr', which matches no"):
     tx.init(params)
 
 
 def test_adam_weight_decay_skips_vectors_by_default():
-  params = {"embed": jnp.ones((50, 16)), "norm": {"scale": jnp.ones((16,))},
-            "mlp": jnp.ones((16, 16))}
+  params = {
+    "embed": jnp.ones((50, 16)),
+    "norm": {"scale": jnp.ones((16,))},
+    "mlp": jnp.ones((16, 16)),
+  }
   zeros = jax.tree.map(jnp.zeros_like, params)
-  for tx in (om.muon(0.1, adam_weight_decay=0.5),
-             om.MuonConfig(optimizer="muon", weight_decay=0.5).build(0.1)):
+  for tx in (
+    om.muon(0.1, adam_weight_decay=0.5),
+    om.MuonConfig(optimizer="muon", weight_decay=0.5).build(0.1),
+  ):
     updates = _update(tx, params, zeros)
     np.testing.assert_allclose(updates["embed"], -0.05, rtol=1e-6)
     np.testing.assert_array_equal(updates["norm"]["scale"], 0.0)
 
 
 def test_every_update_has_its_parameters_dtype():
-  params = {"embed": jnp.ones((50, 16), jnp.bfloat16),
-            "mlp": jnp.ones((16, 32), jnp.bfloat16),
-            "bias": jnp.ones((32,), jnp.bfloat16)}
+  params = {
+    "embed": jnp.ones((50, 16), jnp.bfloat16),
+    "mlp": jnp.ones((16, 32), jnp.bfloat16),
+    "bias": jnp.ones((32,), jnp.bfloat16),
+  }
   grads = jax.tree.map(lambda p: gaussian(p.shape, 3, p.dtype), params)
   updates = _update(om.muon(1e-2, mu_dtype=jnp.float32), params, grads)
   assert {u.dtype for u in jax.tree.leaves(updates)} == {jnp.dtype("bfloat16")}
@@ -213,29 +248,37 @@ def test_describe_shows_the_scale_that_will_be_applied():
   scale = lambda table: float(table.splitlines()[1].split()[-1])
   assert scale(om.describe(params)) == pytest.approx(8.0, rel=1e-3)
   assert scale(om.describe(params, scale_mode="shape_scaling")) == (
-      pytest.approx(2.0, rel=1e-3))
+    pytest.approx(2.0, rel=1e-3)
+  )
   assert scale(om.describe(params, match_adamw_update_rms=True)) == (
-      pytest.approx(8.0 * 0.229416, rel=1e-2))  # the table shows 3 digits
+    pytest.approx(8.0 * 0.229416, rel=1e-2)
+  )  # the table shows 3 digits
   assert scale(om.describe(params, extra_scale_factor=0.5)) == (
-      pytest.approx(4.0, rel=1e-3))
+    pytest.approx(4.0, rel=1e-3)
+  )
 
 
 def test_config_build_runs_tensor_parallel_over_any_named_axis():
-  mesh = jax.make_mesh((2, 4), ("fsdp", "tp"),
-                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-  config = om.MuonConfig(optimizer="muon", muon_tp_mode="duplicated",
-                         muon_fp32_matmul_prec="highest")
-  params = {"mlp": jax.device_put(
-      gaussian((16, 32), 0), jax.NamedSharding(mesh, jax.P(None, "tp")))}
+  mesh = jax.make_mesh(
+    (2, 4), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+  )
+  config = om.MuonConfig(
+    optimizer="muon", muon_tp_mode="duplicated", muon_fp32_matmul_prec="highest"
+  )
+  params = {
+    "mlp": jax.device_put(
+      gaussian((16, 32), 0), jax.NamedSharding(mesh, jax.P(None, "tp"))
+    )
+  }
   tx = config.build(1e-2, mesh=mesh, tp_axis="tp")
-  updates = jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(params,
-                                                                  params)
+  updates = jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(params, params)
   assert updates["mlp"].sharding.spec == jax.P(None, "tp")
   with pytest.raises(ValueError, match="tp_axis='model'"):
     config.build(1e-2, mesh=mesh)
 
 
 # -- settings trees from every library ----------------------------------------
+
 
 def _equinox_lm():
   eqx = pytest.importorskip("equinox")
@@ -260,8 +303,11 @@ def _equinox_lm():
     def __call__(self, tokens, key=None):
       x = jax.vmap(self.embed)(tokens)
       x = x + self.attn(x, x, x)
-      x = self.drop(jax.vmap(self.mlp)(jax.vmap(self.norm)(x)), key=key,
-                    inference=key is None)
+      x = self.drop(
+        jax.vmap(self.mlp)(jax.vmap(self.norm)(x)),
+        key=key,
+        inference=key is None,
+      )
       return jax.vmap(self.head)(jax.nn.relu(x))
 
   return eqx, LM(jax.random.key(0))
@@ -271,8 +317,9 @@ def test_an_equinox_lm_trains_with_its_layout():
   eqx, model = _equinox_lm()
   tokens = jnp.arange(8) % 50
   params, static = eqx.partition(model, eqx.is_inexact_array)
-  layout = om.infer_layout(lambda p, t: eqx.combine(p, static)(t), params,
-                           tokens)
+  layout = om.infer_layout(
+    lambda p, t: eqx.combine(p, static)(t), params, tokens
+  )
   assert layout.dimension_numbers.mlp.weight == MDN((1,), (0,))  # (out, in)
   assert layout.labels.head.weight == "adam"
   assert layout.labels.attn.query_proj.weight == "muon"
@@ -283,10 +330,13 @@ def test_an_equinox_lm_trains_with_its_layout():
   def step(model, state, key):
     def loss(m):
       return optax.softmax_cross_entropy_with_integer_labels(
-          m(tokens, key), jnp.roll(tokens, -1)).mean()
+        m(tokens, key), jnp.roll(tokens, -1)
+      ).mean()
+
     value, grads = eqx.filter_value_and_grad(loss)(model)
-    updates, state = tx.update(grads, state,
-                               eqx.filter(model, eqx.is_inexact_array))
+    updates, state = tx.update(
+      grads, state, eqx.filter(model, eqx.is_inexact_array)
+    )
     return eqx.apply_updates(model, updates), state, value
 
   losses = []
@@ -294,23 +344,27 @@ def test_an_equinox_lm_trains_with_its_layout():
     model, state, value = step(model, state, jax.random.key(i))
     losses.append(float(value))
   assert losses[-1] < 0.8 * losses[0]
-  assert {x.dtype for x in jax.tree.leaves(eqx.filter(
-      model, eqx.is_inexact_array))} == {jnp.dtype("float32")}
+  assert {
+    x.dtype for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
+  } == {jnp.dtype("float32")}
 
 
 def test_equinox_settings_trees_are_trees_not_functions():
   # an eqx.Module is callable; its None fields (no bias) are no paths
   eqx, model = _equinox_lm()
   params, static = eqx.partition(model, eqx.is_inexact_array)
-  layout = om.infer_layout(lambda p, t: eqx.combine(p, static)(t), params,
-                           jnp.arange(8) % 50)
+  layout = om.infer_layout(
+    lambda p, t: eqx.combine(p, static)(t), params, jnp.arange(8) % 50
+  )
   assert callable(layout.labels)
-  by_hand = om.muon(1e-2, labels=layout.labels,
-                    dimension_numbers=layout.dimension_numbers)
+  by_hand = om.muon(
+    1e-2, labels=layout.labels, dimension_numbers=layout.dimension_numbers
+  )
   grads = jax.tree.map(lambda p: gaussian(p.shape, 1), params)
-  chex.assert_trees_all_equal(_update(by_hand, params, grads),
-                              _update(om.muon(1e-2, layout=layout), params,
-                                      grads))
+  chex.assert_trees_all_equal(
+    _update(by_hand, params, grads),
+    _update(om.muon(1e-2, layout=layout), params, grads),
+  )
 
 
 def test_haiku_params_route_by_their_layout():
@@ -327,10 +381,11 @@ def test_haiku_params_route_by_their_layout():
   params = model.init(jax.random.key(0), x)
   layout = om.infer_layout(model.apply, params, x)
   assert layout.labels == {
-      "linear": {"w": "muon", "b": "adam"},
-      "layer_norm": {"scale": "adam", "offset": "adam"},
-      "linear_1": {"w": "muon", "b": "adam"},
-      "linear_2": {"w": "adam", "b": "adam"}}
+    "linear": {"w": "muon", "b": "adam"},
+    "layer_norm": {"scale": "adam", "offset": "adam"},
+    "linear_1": {"w": "muon", "b": "adam"},
+    "linear_2": {"w": "adam", "b": "adam"},
+  }
   grads = jax.tree.map(lambda p: gaussian(p.shape, 1), params)
   updates = _update(om.muon(1e-2, layout=layout), params, grads)
   chex.assert_trees_all_equal_shapes_and_dtypes(updates, params)
@@ -341,8 +396,10 @@ def test_an_nnx_state_layout_is_read_by_path():
   layout = om.infer_layout(model, TOKENS)
   params = nnx.state(model, nnx.Param)
   grads = jax.tree.map(lambda p: gaussian(p.shape, 1), params)
-  by_hand = om.muon(1e-2, labels=layout.labels,
-                    dimension_numbers=layout.dimension_numbers)
-  chex.assert_trees_all_equal(_update(by_hand, params, grads),
-                              _update(om.muon(1e-2, layout=layout), params,
-                                      grads))
+  by_hand = om.muon(
+    1e-2, labels=layout.labels, dimension_numbers=layout.dimension_numbers
+  )
+  chex.assert_trees_all_equal(
+    _update(by_hand, params, grads),
+    _update(om.muon(1e-2, layout=layout), params, grads),
+  )

@@ -3,11 +3,11 @@ forming one (2, 4) mesh with gloo collectives, against one process with 8."""
 
 import chex
 import jax
+import multiprocess
+import multiprocess_cases as cases
 import numpy as np
 import pytest
 
-import multiprocess
-import multiprocess_cases as cases
 import optax_muon as om
 
 
@@ -16,22 +16,30 @@ def test_muon_across_two_processes_equals_one_process():
   # layouts, the data-axis split of the work, ZeRO-1, and logging
   first, second = multiprocess.run("multiprocess_cases:everything")
   params, _ = cases.tree()
-  plain = om.scale_by_muon(split_qkv={"qkv": cases.SPLIT}, dimension_numbers="leading")
-  unsharded = jax.tree.map(np.asarray, plain.update(params, plain.init(params))[0])
+  plain = om.scale_by_muon(
+    split_qkv={"qkv": cases.SPLIT}, dimension_numbers="leading"
+  )
+  unsharded = jax.tree.map(
+    np.asarray, plain.update(params, plain.init(params))[0]
+  )
   for layout in ("data_across", "model_across"):
     for mode in cases.MODES:
       got = first["tp_modes"][(layout, mode)]
       chex.assert_trees_all_equal(got, second["tp_modes"][(layout, mode)])
       one_process = cases.update(cases.mesh(layout), mode)
-      chex.assert_trees_all_close(got, one_process, atol=1e-5,
-                                  custom_message=f"{layout} {mode}")
+      chex.assert_trees_all_close(
+        got, one_process, atol=1e-5, custom_message=f"{layout} {mode}"
+      )
       if mode != "blockwise":  # the full-matrix modes: the unsharded update
-        chex.assert_trees_all_close(got, unsharded, atol=1e-5,
-                                    custom_message=f"{layout} {mode}")
+        chex.assert_trees_all_close(
+          got, unsharded, atol=1e-5, custom_message=f"{layout} {mode}"
+        )
   for result in (first, second):
     chex.assert_trees_all_close(
-        result["tp_modes"][("data_across", "distribute_over")], unsharded,
-        atol=1e-5)
+      result["tp_modes"][("data_across", "distribute_over")],
+      unsharded,
+      atol=1e-5,
+    )
   # ZeRO-1: the momentum split over the data axis, which spans the processes;
   # two steps, the second reading it
   outs, splits = first["zero1"]
@@ -40,8 +48,9 @@ def test_muon_across_two_processes_equals_one_process():
   for t, got in enumerate(outs):
     grads = jax.tree.map(lambda x, t=t: np.cos(x * (t + 1.0)), params)
     expected, state = plain.update(grads, state)
-    chex.assert_trees_all_close(got, jax.tree.map(np.asarray, expected),
-                                atol=1e-5)
+    chex.assert_trees_all_close(
+      got, jax.tree.map(np.asarray, expected), atol=1e-5
+    )
   assert [first["log_records"], second["log_records"]] == [1, 0]
 
 
@@ -58,19 +67,35 @@ from examples.flax_lm import config as config_lib  # noqa: E402
 from examples.flax_lm import launch_local  # noqa: E402
 from examples.flax_lm import train as train_lib  # noqa: E402
 
-RUN = ["model.n_layer=1", "model.n_embd=32",
-       "model.n_head=4", "model.block_size=32", "train.batch_size=8",
-       "train.warmup_steps=1", "train.eval_batches=2", "train.log_every=1",
-       "train.progress=false", "train.max_bytes=200000"]
+RUN = [
+  "model.n_layer=1",
+  "model.n_embd=32",
+  "model.n_head=4",
+  "model.block_size=32",
+  "train.batch_size=8",
+  "train.warmup_steps=1",
+  "train.eval_batches=2",
+  "train.log_every=1",
+  "train.progress=false",
+  "train.max_bytes=200000",
+]
 
 
 def _launch(args, out, cache, **popen):
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-  return launch_local.start(2, ["--mesh", "data=2,model=4", *args,
-                                f"train.out_dir={out}"], cwd=ROOT, environ=env,
-                            stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, **popen)
+  env = dict(
+    os.environ,
+    JAX_COMPILATION_CACHE_DIR=str(cache),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+  )
+  return launch_local.start(
+    2,
+    ["--mesh", "data=2,model=4", *args, f"train.out_dir={out}"],
+    cwd=ROOT,
+    environ=env,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+    **popen,
+  )
 
 
 def _wait(processes, timeout=240):
@@ -80,16 +105,22 @@ def _wait(processes, timeout=240):
 
 
 def _val_curve(out):
-  return [(r["step"], r["val_loss"]) for r in map(
-      json.loads, (out / "metrics.jsonl").read_text().splitlines())
-          if "val_loss" in r]
+  return [
+    (r["step"], r["val_loss"])
+    for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    if "val_loss" in r
+  ]
 
 
-def _kill_after_first_checkpoint_and_resume(tmp_path, steps, every,
-                                            optimizer="muon",
-                                            compare_one_process=True):
-  args = RUN + [f"optim.optimizer={optimizer}", f"train.steps={steps}",
-                f"train.eval_every={every}", f"train.checkpoint_every={every}"]
+def _kill_after_first_checkpoint_and_resume(
+  tmp_path, steps, every, optimizer="muon", compare_one_process=True
+):
+  args = RUN + [
+    f"optim.optimizer={optimizer}",
+    f"train.steps={steps}",
+    f"train.eval_every={every}",
+    f"train.checkpoint_every={every}",
+  ]
   cache = tmp_path / "jax_cache"
   whole, broken = tmp_path / "whole", tmp_path / "broken"
   _wait(_launch(args, whole, cache))
@@ -98,7 +129,9 @@ def _kill_after_first_checkpoint_and_resume(tmp_path, steps, every,
   processes = _launch(args, broken, cache)
   first = broken / "checkpoints" / str(every)
   deadline = time.time() + 240
-  while not (first / "_CHECKPOINT_METADATA").exists() and time.time() < deadline:
+  while (
+    not (first / "_CHECKPOINT_METADATA").exists() and time.time() < deadline
+  ):
     time.sleep(0.05)
   processes[1].send_signal(signal.SIGKILL)
   processes[1].wait()
@@ -106,8 +139,10 @@ def _kill_after_first_checkpoint_and_resume(tmp_path, steps, every,
   processes[0].wait()
   assert first.exists() and not (broken / "final.json").exists()
   _wait(_launch(args + ["--resume"], broken, cache))
-  final = {name: json.loads((path / "final.json").read_text())
-           for name, path in (("whole", whole), ("broken", broken))}
+  final = {
+    name: json.loads((path / "final.json").read_text())
+    for name, path in (("whole", whole), ("broken", broken))
+  }
   assert final["broken"]["params_sha256"] == final["whole"]["params_sha256"]
   assert _val_curve(broken) == _val_curve(whole)
   if not compare_one_process:
@@ -115,8 +150,9 @@ def _kill_after_first_checkpoint_and_resume(tmp_path, steps, every,
   # one process with all 8 devices: the same curve
   cfg = config_lib.run_config(args + [f"train.out_dir={tmp_path / 'one'}"])
   train_lib.train(cfg, mesh=train_lib.parse_mesh("data=2,model=4"))
-  for (step, two), (same_step, one) in zip(_val_curve(whole),
-                                           _val_curve(tmp_path / "one")):
+  for (step, two), (same_step, one) in zip(
+    _val_curve(whole), _val_curve(tmp_path / "one")
+  ):
     assert step == same_step and abs(two - one) <= 1e-5 * abs(one)
 
 
@@ -124,9 +160,9 @@ def test_two_process_training_resumes_exactly_after_a_kill(tmp_path):
   # the CI version (under a minute): AdamW, whose step compiles faster; the
   # slow one trains Muon and also compares one process with 8 devices (Muon
   # across processes is the test above; its resume, test_flax_lm's)
-  _kill_after_first_checkpoint_and_resume(tmp_path, steps=4, every=2,
-                                          optimizer="adam",
-                                          compare_one_process=False)
+  _kill_after_first_checkpoint_and_resume(
+    tmp_path, steps=4, every=2, optimizer="adam", compare_one_process=False
+  )
 
 
 @pytest.mark.slow

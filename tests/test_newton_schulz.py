@@ -23,15 +23,17 @@ coefficients_lib = importlib.import_module("optax_muon.coefficients")
 def test_schedules_equal_the_reference_json(name, reference_coefficients):
   reference = reference_coefficients["sets"][name]
   named = om.COEFFICIENT_SETS[name]
-  np.testing.assert_array_equal(np.asarray(named.tuples),
-                                np.asarray(reference["tuples"]))
+  np.testing.assert_array_equal(
+    np.asarray(named.tuples), np.asarray(reference["tuples"])
+  )
   assert named.mode == reference["mode"]
 
 
 @pytest.mark.parametrize("name", sorted(om.COEFFICIENT_SETS))
 @pytest.mark.parametrize("steps", [1, 3, 12])
-def test_coefficient_schedule_applies_the_mode(name, steps,
-                                               reference_coefficients):
+def test_coefficient_schedule_applies_the_mode(
+  name, steps, reference_coefficients
+):
   reference = reference_coefficients["sets"][name]
   tuples = reference["tuples"]
   if reference["mode"] == "cycle":
@@ -45,8 +47,9 @@ def test_coefficient_schedule_applies_the_mode(name, steps,
 
 def test_custom_schedule_cycles():
   custom = [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5)]
-  np.testing.assert_array_equal(om.coefficient_schedule(custom, 5),
-                                np.asarray(custom * 3)[:5])
+  np.testing.assert_array_equal(
+    om.coefficient_schedule(custom, 5), np.asarray(custom * 3)[:5]
+  )
 
 
 def _reference_ns(x, schedule):
@@ -93,17 +96,19 @@ def test_quintic_five_steps_brings_the_singular_values_near_one(shape):
 
 def test_polar_express_singular_values_are_near_one():
   x = _gaussian((512, 128), seed=3)
-  sigma = np.linalg.svd(np.asarray(
-      om.newton_schulz(x, coefficients="polar_express", steps=8)),
-      compute_uv=False)
+  sigma = np.linalg.svd(
+    np.asarray(om.newton_schulz(x, coefficients="polar_express", steps=8)),
+    compute_uv=False,
+  )
   assert sigma.min() >= 0.98 and sigma.max() <= 1.02
 
 
 @pytest.mark.parametrize("scale", [1e-30, 1e-10, 1e10, 1e30])
 def test_scale_invariance_over_the_fp32_range(scale):
   x = _gaussian((32, 48), seed=4)
-  np.testing.assert_allclose(om.newton_schulz(x * np.float32(scale)),
-                             om.newton_schulz(x), atol=1e-5)
+  np.testing.assert_allclose(
+    om.newton_schulz(x * np.float32(scale)), om.newton_schulz(x), atol=1e-5
+  )
 
 
 def test_zero_maps_to_exact_zero():
@@ -113,11 +118,12 @@ def test_zero_maps_to_exact_zero():
 
 @hypothesis.settings(deadline=None, max_examples=25)
 @hypothesis.given(
-    data=hnp.arrays(
-        np.float32,
-        st.tuples(st.integers(1, 3), st.integers(1, 64), st.integers(1, 300)),
-        elements=st.floats(width=32, allow_nan=False,
-                           allow_infinity=False)))
+  data=hnp.arrays(
+    np.float32,
+    st.tuples(st.integers(1, 3), st.integers(1, 64), st.integers(1, 300)),
+    elements=st.floats(width=32, allow_nan=False, allow_infinity=False),
+  )
+)
 def test_no_nan_for_any_finite_input(data):
   out = np.asarray(om.newton_schulz(jnp.asarray(data)))
   assert out.shape == data.shape
@@ -140,23 +146,26 @@ def test_medium_precision_is_close_to_highest_and_keeps_dtype(dtype):
   for out in (highest, medium, high):
     assert out.dtype == dtype
   atol = 1e-2 if dtype == jnp.float32 else 2e-2  # bf16 output rounding
-  np.testing.assert_allclose(np.asarray(medium, np.float32),
-                             np.asarray(highest, np.float32), atol=atol)
+  np.testing.assert_allclose(
+    np.asarray(medium, np.float32), np.asarray(highest, np.float32), atol=atol
+  )
 
 
 def test_medium_products_are_bf16_rounded():
   a, b = _gaussian((8, 8), 7), _gaussian((8, 8), 8)
   product = ns_lib.matmul(a, b, "medium")
   assert product.dtype == jnp.float32
-  np.testing.assert_array_equal(product, product.astype(jnp.bfloat16)
-                                .astype(jnp.float32))
+  np.testing.assert_array_equal(
+    product, product.astype(jnp.bfloat16).astype(jnp.float32)
+  )
   assert not np.array_equal(product, ns_lib.matmul(a, b, "highest"))
 
 
 def test_cubic_schedule_skips_the_quartic_term():
   x = _gaussian((16, 32), 9)
-  jaxpr = str(jax.make_jaxpr(lambda x: om.newton_schulz(
-      x, coefficients="cubic5"))(x))
+  jaxpr = str(
+    jax.make_jaxpr(lambda x: om.newton_schulz(x, coefficients="cubic5"))(x)
+  )
   quintic = str(jax.make_jaxpr(lambda x: om.newton_schulz(x))(x))
   assert jaxpr.count("dot_general") == 2 and quintic.count("dot_general") == 3
 
@@ -168,8 +177,9 @@ def test_traced_step_count_matches_static():
   # max|X| this file asks of fp32 against the float64 iteration; one step
   # fewer moves the result by 1.4e-3 of max|X|.
   x = _gaussian((16, 32), 10)
-  traced = jax.jit(lambda x, s: om.newton_schulz(x, coefficients="polar_express",
-                                                 steps=s))(x, 7)
+  traced = jax.jit(
+    lambda x, s: om.newton_schulz(x, coefficients="polar_express", steps=s)
+  )(x, 7)
   static = om.newton_schulz(x, coefficients="polar_express", steps=7)
   exact = _reference_ns(x, om.coefficient_schedule("polar_express", 7))
   scale = np.abs(exact).max()
@@ -177,9 +187,12 @@ def test_traced_step_count_matches_static():
   np.testing.assert_allclose(traced, static, atol=1e-5 * scale)
 
 
-GRAM_CASES = [(name, steps) for name in sorted(om.COEFFICIENT_SETS)
-              for steps in (1, 2, 3, 5, 9)
-              if not (name == "cubic5" and steps > 5)]  # it diverges past 5
+GRAM_CASES = [
+  (name, steps)
+  for name in sorted(om.COEFFICIENT_SETS)
+  for steps in (1, 2, 3, 5, 9)
+  if not (name == "cubic5" and steps > 5)
+]  # it diverges past 5
 
 
 @pytest.mark.parametrize("name, steps", GRAM_CASES)
@@ -188,48 +201,75 @@ def test_gram_newton_schulz_matches_the_iteration(name, steps):
   # itself is up to 1.7e-5 (of max|X|) from it at cans × 5, so the Gram form
   # is held to 1e-5 of the exact iteration and 2e-5 of the standard form.
   x = _gaussian((2, 48, 160), seed=11)  # aspect 3.3: the Gram form is used
-  standard, _ = om.orthogonalize(coefficients=name, steps=steps, dimension_numbers="leading").update(
-      {"w": x}, None)
-  gram, _ = om.orthogonalize(coefficients=name, steps=steps,
-                             method="gram", dimension_numbers="leading").update({"w": x}, None)
-  exact = np.stack([_reference_ns(m, om.coefficient_schedule(name, steps))
-                    for m in np.asarray(x)])
+  standard, _ = om.orthogonalize(
+    coefficients=name, steps=steps, dimension_numbers="leading"
+  ).update({"w": x}, None)
+  gram, _ = om.orthogonalize(
+    coefficients=name, steps=steps, method="gram", dimension_numbers="leading"
+  ).update({"w": x}, None)
+  exact = np.stack(
+    [
+      _reference_ns(m, om.coefficient_schedule(name, steps))
+      for m in np.asarray(x)
+    ]
+  )
   scale = np.abs(exact).max()
   np.testing.assert_allclose(gram["w"] / scale, exact / scale, atol=1e-5)
-  np.testing.assert_allclose(gram["w"] / scale, standard["w"] / scale,
-                             atol=2e-5)
+  np.testing.assert_allclose(
+    gram["w"] / scale, standard["w"] / scale, atol=2e-5
+  )
 
 
 def test_gram_is_used_only_where_it_saves_flops():
   wide, square = _gaussian((48, 160), 12), _gaussian((64, 96), 13)
-  gram, standard = om.orthogonalize(method="gram", dimension_numbers="leading"), om.orthogonalize(dimension_numbers="leading")
+  gram, standard = (
+    om.orthogonalize(method="gram", dimension_numbers="leading"),
+    om.orthogonalize(dimension_numbers="leading"),
+  )
   # aspect 1.5: the same program as the standard form
-  assert str(jax.make_jaxpr(lambda u: gram.update({"w": u}, None))(square)) == \
-      str(jax.make_jaxpr(lambda u: standard.update({"w": u}, None))(square))
-  assert str(jax.make_jaxpr(lambda u: gram.update({"w": u}, None))(wide)) != \
-      str(jax.make_jaxpr(lambda u: standard.update({"w": u}, None))(wide))
+  assert str(
+    jax.make_jaxpr(lambda u: gram.update({"w": u}, None))(square)
+  ) == str(jax.make_jaxpr(lambda u: standard.update({"w": u}, None))(square))
+  assert str(
+    jax.make_jaxpr(lambda u: gram.update({"w": u}, None))(wide)
+  ) != str(jax.make_jaxpr(lambda u: standard.update({"w": u}, None))(wide))
   assert ns_lib.gram_saves_flops(1024, 4096) and not ns_lib.gram_saves_flops(
-      1024, 2048)
+    1024, 2048
+  )
   assert ns_lib.gram_flops(1024, 4096, 5) < 0.85 * 5 * (
-      4 * 1024 ** 2 * 4096 + 2 * 1024 ** 3)
+    4 * 1024**2 * 4096 + 2 * 1024**3
+  )
 
 
-@pytest.mark.parametrize("name, steps, restart", [
-    ("quintic", 1, 1), ("quintic", 2, 1), ("quintic", 3, 1), ("quintic", 5, 2),
-    ("cubic5", 3, 1)])
+@pytest.mark.parametrize(
+  "name, steps, restart",
+  [
+    ("quintic", 1, 1),
+    ("quintic", 2, 1),
+    ("quintic", 3, 1),
+    ("quintic", 5, 2),
+    ("cubic5", 3, 1),
+  ],
+)
 def test_gram_flops_counts_what_xla_runs(name, steps, restart):
   # While a segment's loop runs at most once XLA's simplification leaves no
   # loop, so its cost analysis counts every matmul; the elementwise work adds
   # < 2%.
   table, mode = coefficients_lib.resolve_coefficients(name)
   x = jnp.ones((1, 64, 256))
-  compiled = jax.jit(lambda u: ns_lib.iterate_gram(
-      u, table, mode, steps, "highest", restart)).lower(x).compile()
+  compiled = (
+    jax.jit(
+      lambda u: ns_lib.iterate_gram(u, table, mode, steps, "highest", restart)
+    )
+    .lower(x)
+    .compile()
+  )
   counted = ns_lib.gram_flops(64, 256, steps, restart, cubic=name == "cubic5")
   assert counted <= compiled.cost_analysis()["flops"] <= 1.02 * counted
 
 
 # -- fp16 products (Step 3.5 Flash, EO PR #228): fp32 normalization ----------
+
 
 @pytest.mark.parametrize("method", ["standard", "gram"])
 @pytest.mark.parametrize("name", sorted(om.COEFFICIENT_SETS))
@@ -238,11 +278,12 @@ def test_fp16_products_stay_within_a_stated_bound_of_highest(name, method):
   # against bf16's ("medium") worst 0.137 (cans); fp16 is 6-13x closer
   x = _gaussian((64, 160), 21)
   run = lambda precision: om.orthogonalize(
-      coefficients=name, method=method, precision=precision).update(
-          {"w": x}, None)[0]["w"]
+    coefficients=name, method=method, precision=precision
+  ).update({"w": x}, None)[0]["w"]
   highest = run("highest")
-  error = lambda precision: float(jnp.abs(run(precision) - highest).max() /
-                                  jnp.abs(highest).max())
+  error = lambda precision: float(
+    jnp.abs(run(precision) - highest).max() / jnp.abs(highest).max()
+  )
   assert error("fp16") <= 1.5e-2
   assert error("fp16") <= 0.25 * error("medium")
 
@@ -254,11 +295,13 @@ def test_fp16_is_finite_and_scale_invariant_from_1e_30_to_1e30():
     scaled = om.newton_schulz(x * scale, precision="fp16")
     assert bool(jnp.isfinite(scaled).all()), scale
     np.testing.assert_allclose(scaled, plain, atol=2e-3)
-  np.testing.assert_array_equal(om.newton_schulz(jnp.zeros((8, 8)),
-                                                 precision="fp16"), 0.0)
+  np.testing.assert_array_equal(
+    om.newton_schulz(jnp.zeros((8, 8)), precision="fp16"), 0.0
+  )
 
 
 def test_fp16_has_no_complex_type():
   with pytest.raises(ValueError, match="fp16"):
     om.orthogonalize(precision="fp16").init(
-        {"w": jnp.ones((4, 4), jnp.complex64)})
+      {"w": jnp.ones((4, 4), jnp.complex64)}
+    )

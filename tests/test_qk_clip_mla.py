@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
 from conftest import gaussian
@@ -25,9 +27,15 @@ def _maxtext_clip(wq_b, wkv_b, max_logits_batch, threshold, nope):
   widths the rest of each head's columns."""
   heads, width = wq_b.shape[-2:]
   return om.clip_mla_qk(
-      wq_b, wkv_b, jnp.max(max_logits_batch, axis=0), threshold=threshold,
-      num_heads=heads, qk_nope_head_dim=nope, qk_rope_head_dim=width - nope,
-      v_head_dim=wkv_b.shape[-1] - nope)
+    wq_b,
+    wkv_b,
+    jnp.max(max_logits_batch, axis=0),
+    threshold=threshold,
+    num_heads=heads,
+    qk_nope_head_dim=nope,
+    qk_rope_head_dim=width - nope,
+    v_head_dim=wkv_b.shape[-1] - nope,
+  )
 
 
 def test_maxtext_apply_qk_clip_logic():
@@ -35,13 +43,16 @@ def test_maxtext_apply_qk_clip_logic():
   wq_b = jax.random.normal(rng_q, (2, 2, 6))  # [rank, heads, dim]
   wkv_b = jax.random.normal(rng_kv, (2, 2, 6))
   # head 0: 20 > 10, γ = 0.5; head 1: 5 < 10, untouched
-  new_wq, new_wkv = _maxtext_clip(wq_b, wkv_b, jnp.array([[20.0, 5.0]]),
-                                  10.0, 4)
-  np.testing.assert_allclose(new_wq[:, 0, :4], wq_b[:, 0, :4] * np.sqrt(0.5),
-                             rtol=1e-6)
+  new_wq, new_wkv = _maxtext_clip(
+    wq_b, wkv_b, jnp.array([[20.0, 5.0]]), 10.0, 4
+  )
+  np.testing.assert_allclose(
+    new_wq[:, 0, :4], wq_b[:, 0, :4] * np.sqrt(0.5), rtol=1e-6
+  )
   np.testing.assert_allclose(new_wq[:, 0, 4:], wq_b[:, 0, 4:] * 0.5, rtol=1e-6)
-  np.testing.assert_allclose(new_wkv[:, 0, :4], wkv_b[:, 0, :4] * np.sqrt(0.5),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    new_wkv[:, 0, :4], wkv_b[:, 0, :4] * np.sqrt(0.5), rtol=1e-6
+  )
   np.testing.assert_array_equal(new_wkv[:, 0, 4:], wkv_b[:, 0, 4:])  # V
   np.testing.assert_array_equal(new_wq[:, 1], wq_b[:, 1])
   np.testing.assert_array_equal(new_wkv[:, 1], wkv_b[:, 1])
@@ -49,10 +60,12 @@ def test_maxtext_apply_qk_clip_logic():
 
 def test_maxtext_per_head_clipping():
   wq_b = jax.random.normal(jax.random.PRNGKey(1), (1, 3, 6))
-  new_wq, _ = _maxtext_clip(wq_b, jnp.zeros((1, 3, 6)),
-                            jnp.array([[40.0, 9.9, 1.0]]), 10.0, 4)
-  np.testing.assert_allclose(new_wq[0, 0, 0], wq_b[0, 0, 0] * np.sqrt(0.25),
-                             rtol=1e-6)
+  new_wq, _ = _maxtext_clip(
+    wq_b, jnp.zeros((1, 3, 6)), jnp.array([[40.0, 9.9, 1.0]]), 10.0, 4
+  )
+  np.testing.assert_allclose(
+    new_wq[0, 0, 0], wq_b[0, 0, 0] * np.sqrt(0.25), rtol=1e-6
+  )
   np.testing.assert_array_equal(new_wq[0, 1:], wq_b[0, 1:])
 
 
@@ -65,12 +78,19 @@ def test_maxtext_no_clipping_below_threshold_and_parity_case():
   rng_q, rng_kv = jax.random.split(jax.random.PRNGKey(7))
   wq_b = jax.random.normal(rng_q, (2, 2, 6))
   wkv_b = jax.random.normal(rng_kv, (2, 2, 6))
-  new_wq, new_wkv = _maxtext_clip(wq_b, wkv_b, jnp.array([[40.0, 9.0]]),
-                                  10.0, 4)
-  np.testing.assert_allclose(new_wq[:, 0], np.concatenate(
-      [wq_b[:, 0, :4] * 0.5, wq_b[:, 0, 4:] * 0.25], -1), rtol=1e-6)
-  np.testing.assert_allclose(new_wkv[:, 0], np.concatenate(
-      [wkv_b[:, 0, :4] * 0.5, wkv_b[:, 0, 4:]], -1), rtol=1e-6)
+  new_wq, new_wkv = _maxtext_clip(
+    wq_b, wkv_b, jnp.array([[40.0, 9.0]]), 10.0, 4
+  )
+  np.testing.assert_allclose(
+    new_wq[:, 0],
+    np.concatenate([wq_b[:, 0, :4] * 0.5, wq_b[:, 0, 4:] * 0.25], -1),
+    rtol=1e-6,
+  )
+  np.testing.assert_allclose(
+    new_wkv[:, 0],
+    np.concatenate([wkv_b[:, 0, :4] * 0.5, wkv_b[:, 0, 4:]], -1),
+    rtol=1e-6,
+  )
 
 
 # A small MLA layer (DeepSeek-V2 without the latent norms), every kernel
@@ -79,11 +99,16 @@ D_MODEL, H, NOPE, ROPE, V_DIM, Q_RANK, KV_RANK = 16, 4, 8, 4, 8, 12, 10
 
 
 def _mla_params(seed=0, scale=1.0):
-  shapes = {"wq_a": (D_MODEL, Q_RANK), "wq_b": (Q_RANK, H * (NOPE + ROPE)),
-            "wkv_a": (D_MODEL, KV_RANK + ROPE),
-            "wkv_b": (KV_RANK, H * (NOPE + V_DIM))}
-  return {name: scale * gaussian(shape, seed + i)
-          for i, (name, shape) in enumerate(shapes.items())}
+  shapes = {
+    "wq_a": (D_MODEL, Q_RANK),
+    "wq_b": (Q_RANK, H * (NOPE + ROPE)),
+    "wkv_a": (D_MODEL, KV_RANK + ROPE),
+    "wkv_b": (KV_RANK, H * (NOPE + V_DIM)),
+  }
+  return {
+    name: scale * gaussian(shape, seed + i)
+    for i, (name, shape) in enumerate(shapes.items())
+  }
 
 
 def _rope(x, positions):
@@ -105,15 +130,24 @@ def _mla_max_logits(params, x):
   latent = x @ params["wkv_a"]
   k_rope = _rope(latent[..., KV_RANK:], positions)  # (b, t, ROPE): shared
   kv = (latent[..., :KV_RANK] @ params["wkv_b"]).reshape(b, t, H, NOPE + V_DIM)
-  scores = (jnp.einsum("bqhd,bkhd->bhqk", q_nope, kv[..., :NOPE]) +
-            jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope)) / np.sqrt(NOPE + ROPE)
+  scores = (
+    jnp.einsum("bqhd,bkhd->bhqk", q_nope, kv[..., :NOPE])
+    + jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope)
+  ) / np.sqrt(NOPE + ROPE)
   causal = jnp.tril(jnp.ones((t, t), bool))
   return jnp.where(causal, scores, -jnp.inf).max(axis=(0, 2, 3))
 
 
-MLA = {"layer": {"q": "wq_b", "kv": "wkv_b", "num_heads": H,
-                 "qk_nope_head_dim": NOPE, "qk_rope_head_dim": ROPE,
-                 "v_head_dim": V_DIM}}
+MLA = {
+  "layer": {
+    "q": "wq_b",
+    "kv": "wkv_b",
+    "num_heads": H,
+    "qk_nope_head_dim": NOPE,
+    "qk_rope_head_dim": ROPE,
+    "v_head_dim": V_DIM,
+  }
+}
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
@@ -122,9 +156,16 @@ def test_after_the_clip_each_heads_max_logit_is_min_of_s_and_tau(alpha):
   before = _mla_max_logits(params, x)
   tau = float(np.median(before))  # two heads over τ, two under
   new_q, new_kv = om.clip_mla_qk(
-      params["wq_b"], params["wkv_b"], before, threshold=tau, alpha=alpha,
-      num_heads=H, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
-      v_head_dim=V_DIM)
+    params["wq_b"],
+    params["wkv_b"],
+    before,
+    threshold=tau,
+    alpha=alpha,
+    num_heads=H,
+    qk_nope_head_dim=NOPE,
+    qk_rope_head_dim=ROPE,
+    v_head_dim=V_DIM,
+  )
   after = _mla_max_logits(dict(params, wq_b=new_q, wkv_b=new_kv), x)
   assert (before > tau).sum() == 2
   np.testing.assert_allclose(after, np.minimum(before, tau), rtol=1e-5)
@@ -133,13 +174,20 @@ def test_after_the_clip_each_heads_max_logit_is_min_of_s_and_tau(alpha):
   under = np.repeat(np.asarray(before <= tau), NOPE + ROPE)
   np.testing.assert_array_equal(new_q[:, under], params["wq_b"][:, under])
   v_columns = np.tile(np.arange(NOPE + V_DIM) >= NOPE, H)
-  np.testing.assert_array_equal(new_kv[:, v_columns],
-                                params["wkv_b"][:, v_columns])
+  np.testing.assert_array_equal(
+    new_kv[:, v_columns], params["wkv_b"][:, v_columns]
+  )
   per_head_q, per_head_kv = om.clip_mla_qk(
-      params["wq_b"].reshape(Q_RANK, H, -1),
-      params["wkv_b"].reshape(KV_RANK, H, -1), before, threshold=tau,
-      alpha=alpha, num_heads=H, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
-      v_head_dim=V_DIM)
+    params["wq_b"].reshape(Q_RANK, H, -1),
+    params["wkv_b"].reshape(KV_RANK, H, -1),
+    before,
+    threshold=tau,
+    alpha=alpha,
+    num_heads=H,
+    qk_nope_head_dim=NOPE,
+    qk_rope_head_dim=ROPE,
+    v_head_dim=V_DIM,
+  )
   np.testing.assert_array_equal(per_head_q.reshape(new_q.shape), new_q)
   np.testing.assert_array_equal(per_head_kv.reshape(new_kv.shape), new_kv)
 
@@ -147,58 +195,90 @@ def test_after_the_clip_each_heads_max_logit_is_min_of_s_and_tau(alpha):
 def test_the_transform_leaves_the_shared_rope_key_and_stacked_layers_apart():
   layers = [_mla_params(seed) for seed in (0, 10, 20)]
   params = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
-  logits = jnp.array([[5.0, 5.0, 5.0, 5.0], [300.0, 1.0, 1.0, 1.0],
-                      [1.0, 1.0, 1.0, 150.0]])
+  logits = jnp.array(
+    [[5.0, 5.0, 5.0, 5.0], [300.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 150.0]]
+  )
   grads = jax.tree.map(lambda p: 0.01 * gaussian(p.shape, 5), params)
   tx = optax.chain(optax.sgd(1.0), om.qk_clip(100.0, attention=MLA))
-  updates, _ = tx.update(grads, tx.init(params), params,
-                         max_logits={"layer": logits})
+  updates, _ = tx.update(
+    grads, tx.init(params), params, max_logits={"layer": logits}
+  )
   new = optax.apply_updates(params, updates)
   stepped = jax.tree.map(lambda p, g: p - g, params, grads)
   for name in ("wq_a", "wkv_a"):  # the shared rope key's kernel: untouched
     np.testing.assert_array_equal(new[name], stepped[name])
   want_q, want_kv = om.clip_mla_qk(
-      stepped["wq_b"], stepped["wkv_b"], logits, threshold=100.0, num_heads=H,
-      qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V_DIM)
+    stepped["wq_b"],
+    stepped["wkv_b"],
+    logits,
+    threshold=100.0,
+    num_heads=H,
+    qk_nope_head_dim=NOPE,
+    qk_rope_head_dim=ROPE,
+    v_head_dim=V_DIM,
+  )
   np.testing.assert_allclose(new["wq_b"], want_q, rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(new["wkv_b"], want_kv, rtol=1e-6, atol=1e-7)
   np.testing.assert_array_equal(new["wq_b"][0], stepped["wq_b"][0])  # under τ
   head0 = slice(0, NOPE + ROPE)
-  np.testing.assert_allclose(new["wq_b"][1][:, head0], np.concatenate(
-      [stepped["wq_b"][1][:, :NOPE] * (1 / 3) ** 0.5,
-       stepped["wq_b"][1][:, NOPE:NOPE + ROPE] / 3], -1), rtol=1e-6)
+  np.testing.assert_allclose(
+    new["wq_b"][1][:, head0],
+    np.concatenate(
+      [
+        stepped["wq_b"][1][:, :NOPE] * (1 / 3) ** 0.5,
+        stepped["wq_b"][1][:, NOPE : NOPE + ROPE] / 3,
+      ],
+      -1,
+    ),
+    rtol=1e-6,
+  )
 
 
 def test_sharded_over_heads_needs_no_collectives():
-  mesh = jax.make_mesh((2, 4), ("data", "model"),
-                       axis_types=(AxisType.Explicit,) * 2)
+  mesh = jax.make_mesh(
+    (2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2
+  )
   params = _mla_params()
-  specs = {"wq_a": P(), "wq_b": P(None, "model"), "wkv_a": P(),
-           "wkv_b": P(None, "model")}  # one head per shard
+  specs = {
+    "wq_a": P(),
+    "wq_b": P(None, "model"),
+    "wkv_a": P(),
+    "wkv_b": P(None, "model"),
+  }  # one head per shard
   updates = jax.tree.map(lambda p: gaussian(p.shape, 3), params)
   logits = {"layer": jnp.array([400.0, 10.0, 250.0, 1.0])}
   clip = om.qk_clip(100.0, attention=MLA)
-  expected, _ = clip.update(updates, clip.init(params), params,
-                            max_logits=logits)
+  expected, _ = clip.update(
+    updates, clip.init(params), params, max_logits=logits
+  )
   put = lambda tree: jax.tree.map(
-      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
-  step = jax.jit(lambda u, p: clip.update(u, clip.init(p), p,
-                                          max_logits=logits)[0])
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
+  )
+  step = jax.jit(
+    lambda u, p: clip.update(u, clip.init(p), p, max_logits=logits)[0]
+  )
   with jax.set_mesh(mesh):
     sharded = step(put(updates), put(params))
     hlo = step.lower(put(updates), put(params)).compile().as_text()
   chex.assert_trees_all_close(sharded, expected, atol=1e-6)
   assert sharded["wq_b"].sharding.spec == P(None, "model")
-  for collective in ("all-gather", "all-reduce", "all-to-all",
-                     "collective-permute"):
+  for collective in (
+    "all-gather",
+    "all-reduce",
+    "all-to-all",
+    "collective-permute",
+  ):
     assert f" {collective}(" not in hlo and f" {collective}-start(" not in hlo
 
 
-@pytest.mark.parametrize("spec, match", [
+@pytest.mark.parametrize(
+  "spec, match",
+  [
     ({"q": "wq_b", "kv": "wkv_b", "num_heads": H}, "lacks"),
     (dict(MLA["layer"], qk_nope_head_dim=0), "qk_nope_head_dim"),
     (dict(MLA["layer"], head_dim=8), "unknown keys"),
-])
+  ],
+)
 def test_bad_mla_specs_raise_naming_the_field(spec, match):
   with pytest.raises(ValueError, match=match):
     om.qk_clip(attention={"layer": spec})

@@ -11,7 +11,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
 from conftest import ROOT
@@ -31,18 +33,29 @@ def _mesh(shape, axis_type=AxisType.Explicit):
 def _tree():
   keys = iter(jax.random.split(jax.random.key(0), 8))
   normal = lambda shape: jax.random.normal(next(keys), shape)
-  params = {"wide_in": normal((32, 64)), "wide_out": normal((32, 64)),
-            "tall_in": normal((64, 32)), "tall_out": normal((64, 32)),
-            "stacked": normal((2, 32, 48)), "attn": {"qkv": normal((32, 96))}}
-  specs = {"wide_in": P("model", None), "wide_out": P(None, "model"),
-           "tall_in": P("model", None), "tall_out": P(None, "model"),
-           "stacked": P(None, None, "model"), "attn": {"qkv": P(None, "model")}}
+  params = {
+    "wide_in": normal((32, 64)),
+    "wide_out": normal((32, 64)),
+    "tall_in": normal((64, 32)),
+    "tall_out": normal((64, 32)),
+    "stacked": normal((2, 32, 48)),
+    "attn": {"qkv": normal((32, 96))},
+  }
+  specs = {
+    "wide_in": P("model", None),
+    "wide_out": P(None, "model"),
+    "tall_in": P("model", None),
+    "tall_out": P(None, "model"),
+    "stacked": P(None, None, "model"),
+    "attn": {"qkv": P(None, "model")},
+  }
   return params, specs
 
 
 def _put(tree, specs, mesh):
-  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
-                      tree, specs)
+  return jax.tree.map(
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
+  )
 
 
 def _sharded_update(tx, params, mesh):
@@ -58,8 +71,11 @@ def test_full_matrix_modes_equal_the_unsharded_update(mesh_shape, mode):
   params, specs = _tree()
   reference = om.scale_by_muon(split_qkv=SPLIT, dimension_numbers="leading")
   expected, _ = reference.update(params, reference.init(params))
-  tx = om.scale_by_muon(split_qkv=SPLIT,
-                        sharding=om.TensorParallel(mesh, mode=mode), dimension_numbers="leading")
+  tx = om.scale_by_muon(
+    split_qkv=SPLIT,
+    sharding=om.TensorParallel(mesh, mode=mode),
+    dimension_numbers="leading",
+  )
   updates, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
   chex.assert_trees_all_close(updates, expected, atol=1e-5)
 
@@ -69,38 +85,59 @@ def test_blockwise_is_newton_schulz_of_each_shard_with_its_shape(mesh_shape):
   mesh = _mesh(mesh_shape)
   ranks = mesh.shape["model"]
   params, specs = _tree()
-  tx = om.scale_by_muon(split_qkv=SPLIT,
-                        sharding=om.TensorParallel(mesh, mode="blockwise"), dimension_numbers="leading")
+  tx = om.scale_by_muon(
+    split_qkv=SPLIT,
+    sharding=om.TensorParallel(mesh, mode="blockwise"),
+    dimension_numbers="leading",
+  )
   updates, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
   updates = jax.tree.map(np.asarray, updates)
   for name, axis in [("wide_out", 1), ("tall_in", 0)]:
     shards = np.split(np.asarray(params[name]), ranks, axis=axis)
     expected = np.concatenate(  # each shard its own matrix, with its shape
-        [om.newton_schulz(x) * np.sqrt(max(x.shape)) for x in shards], axis)
+      [om.newton_schulz(x) * np.sqrt(max(x.shape)) for x in shards], axis
+    )
     np.testing.assert_allclose(updates[name], expected, atol=1e-5)
   # each shard of the column-parallel QKV holds whole heads: Q, K, V split
   groups_per_shard = 8 // ranks
-  for r, shard in enumerate(np.split(np.asarray(params["attn"]["qkv"]), ranks,
-                                     axis=1)):
+  for r, shard in enumerate(
+    np.split(np.asarray(params["attn"]["qkv"]), ranks, axis=1)
+  ):
     grouped = shard.reshape(32, groups_per_shard, 12)
-    pieces = [grouped[..., i * 4:(i + 1) * 4].reshape(32, -1) for i in range(3)]
+    pieces = [
+      grouped[..., i * 4 : (i + 1) * 4].reshape(32, -1) for i in range(3)
+    ]
     expected = jnp.concatenate(
-        [(om.newton_schulz(p) * np.sqrt(max(p.shape))).reshape(
-            32, groups_per_shard, 4) for p in pieces], axis=-1).reshape(32, -1)
+      [
+        (om.newton_schulz(p) * np.sqrt(max(p.shape))).reshape(
+          32, groups_per_shard, 4
+        )
+        for p in pieces
+      ],
+      axis=-1,
+    ).reshape(32, -1)
     width = shard.shape[1]
     np.testing.assert_allclose(
-        updates["attn"]["qkv"][:, r * width:(r + 1) * width], expected,
-        atol=1e-5)
+      updates["attn"]["qkv"][:, r * width : (r + 1) * width],
+      expected,
+      atol=1e-5,
+    )
 
 
 def _allgather_tree():
   # 8 column-parallel and 9 row-parallel matrices: at least the axis size on
   # every mesh, and 9 a multiple of none of 2, 4, 8 (the stack is padded)
   keys = iter(jax.random.split(jax.random.key(7), 17))
-  params = {f"col{i}": jax.random.normal(next(keys), (32, 64)) for i in range(8)}
-  params |= {f"row{i}": jax.random.normal(next(keys), (64, 32)) for i in range(9)}
-  specs = {k: P(None, "model") if k.startswith("col") else P("model", None)
-           for k in params}
+  params = {
+    f"col{i}": jax.random.normal(next(keys), (32, 64)) for i in range(8)
+  }
+  params |= {
+    f"row{i}": jax.random.normal(next(keys), (64, 32)) for i in range(9)
+  }
+  specs = {
+    k: P(None, "model") if k.startswith("col") else P("model", None)
+    for k in params
+  }
   return params, specs
 
 
@@ -108,26 +145,41 @@ def _allgather_tree():
 def test_allgather_all_to_all_path_equals_the_unsharded_update(mesh_shape):
   mesh = _mesh(mesh_shape)
   params, specs = _allgather_tree()
-  tx = om.scale_by_muon(sharding=om.TensorParallel(mesh, mode="allgather"), dimension_numbers="leading")
+  tx = om.scale_by_muon(
+    sharding=om.TensorParallel(mesh, mode="allgather"),
+    dimension_numbers="leading",
+  )
   updates, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
   reference = om.scale_by_muon(dimension_numbers="leading")
   expected, _ = reference.update(params, reference.init(params))
   chex.assert_trees_all_close(updates, expected, atol=1e-5)
-  _, counts = _collectives(om.orthogonalize(sharding=om.TensorParallel(
-      mesh, mode="allgather"), dimension_numbers="leading"), params, specs, mesh)
+  _, counts = _collectives(
+    om.orthogonalize(
+      sharding=om.TensorParallel(mesh, mode="allgather"),
+      dimension_numbers="leading",
+    ),
+    params,
+    specs,
+    mesh,
+  )
   # one group of 17 (the row-parallel matrices are the column-parallel ones'
   # transposes, stacked together once turned wide): two all-to-alls
   assert _only(counts, all_to_all=2)
 
 
-@pytest.mark.parametrize("mode", ["blockwise", "duplicated", "distributed",
-                                  "allgather"])
+@pytest.mark.parametrize(
+  "mode", ["blockwise", "duplicated", "distributed", "allgather"]
+)
 def test_sharded_batch_axes_stay_local_and_equal_the_unsharded_update(mode):
   mesh = _mesh((2, 4))
-  params = {"layers": jax.random.normal(jax.random.key(3), (8, 32, 64)),
-            "experts": jax.random.normal(jax.random.key(4), (4, 2, 48, 16))}
+  params = {
+    "layers": jax.random.normal(jax.random.key(3), (8, 32, 64)),
+    "experts": jax.random.normal(jax.random.key(4), (4, 2, 48, 16)),
+  }
   specs = {"layers": P("model", None, None), "experts": P("model", "data")}
-  tx = om.scale_by_muon(sharding=om.TensorParallel(mesh, mode=mode), dimension_numbers="leading")
+  tx = om.scale_by_muon(
+    sharding=om.TensorParallel(mesh, mode=mode), dimension_numbers="leading"
+  )
   updates, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
   reference = om.scale_by_muon(dimension_numbers="leading")
   expected, _ = reference.update(params, reference.init(params))
@@ -137,49 +189,74 @@ def test_sharded_batch_axes_stay_local_and_equal_the_unsharded_update(mode):
 def _collectives(tx, params, specs, mesh):
   sharded = _put(params, specs, mesh)
   with jax.set_mesh(mesh):
-    hlo = jax.jit(lambda u: tx.update(u, tx.init(u))[0]).lower(
-        sharded).compile().as_text()
-  names = ("all-gather", "all-reduce", "all-to-all", "collective-permute",
-           "reduce-scatter")
+    hlo = (
+      jax.jit(lambda u: tx.update(u, tx.init(u))[0])
+      .lower(sharded)
+      .compile()
+      .as_text()
+    )
+  names = (
+    "all-gather",
+    "all-reduce",
+    "all-to-all",
+    "collective-permute",
+    "reduce-scatter",
+  )
   shape = r"(?:\([^)]*\)|\S+)"  # an array shape or a tuple of them
-  return hlo, {n: len(re.findall(rf"= {shape} {n}(-start)?\(", hlo))
-               for n in names}
+  return hlo, {
+    n: len(re.findall(rf"= {shape} {n}(-start)?\(", hlo)) for n in names
+  }
 
 
 def _only(counts, **expected):
   return {k: v for k, v in counts.items() if v} == {
-      k.replace("_", "-"): v for k, v in expected.items()}
+    k.replace("_", "-"): v for k, v in expected.items()
+  }
 
 
 @pytest.mark.parametrize("spec", [P("model", None), P(None, "model")])
 def test_blockwise_and_sharded_batch_axes_need_no_collectives(spec):
   mesh = _mesh((2, 4))
   x = {"w": jnp.ones((32, 64))}
-  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="blockwise"), dimension_numbers="leading")
+  tx = om.orthogonalize(
+    sharding=om.TensorParallel(mesh, mode="blockwise"),
+    dimension_numbers="leading",
+  )
   assert _only(_collectives(tx, x, {"w": spec}, mesh)[1])
   stacked = {"w": jnp.ones((8, 32, 64))}
   for mode in ("duplicated", "distributed", "allgather"):
-    tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode=mode), dimension_numbers="leading")
-    assert _only(_collectives(tx, stacked, {"w": P("model", None, None)},
-                              mesh)[1]), mode
+    tx = om.orthogonalize(
+      sharding=om.TensorParallel(mesh, mode=mode), dimension_numbers="leading"
+    )
+    assert _only(
+      _collectives(tx, stacked, {"w": P("model", None, None)}, mesh)[1]
+    ), mode
 
 
 def test_duplicated_gathers_each_leaf_once():
   mesh = _mesh((2, 4))
   tree = {"a": jnp.ones((32, 64)), "b": jnp.ones((64, 32))}
-  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="duplicated"), dimension_numbers="leading")
-  _, counts = _collectives(tx, tree, {"a": P(None, "model"),
-                                      "b": P("model", None)}, mesh)
+  tx = om.orthogonalize(
+    sharding=om.TensorParallel(mesh, mode="duplicated"),
+    dimension_numbers="leading",
+  )
+  _, counts = _collectives(
+    tx, tree, {"a": P(None, "model"), "b": P("model", None)}, mesh
+  )
   assert _only(counts, all_gather=2)
 
 
 def test_distributed_all_reduces_the_gram_matrix_once_per_step():
   mesh = _mesh((2, 4))
   steps = 5
-  tx = om.orthogonalize(steps=steps,
-                        sharding=om.TensorParallel(mesh, mode="distributed"), dimension_numbers="leading")
-  hlo, counts = _collectives(tx, {"w": jnp.ones((32, 64))},
-                             {"w": P(None, "model")}, mesh)
+  tx = om.orthogonalize(
+    steps=steps,
+    sharding=om.TensorParallel(mesh, mode="distributed"),
+    dimension_numbers="leading",
+  )
+  hlo, counts = _collectives(
+    tx, {"w": jnp.ones((32, 64))}, {"w": P(None, "model")}, mesh
+  )
   gram = re.findall(r"= f32\[1,32,32\]\{[^}]*\} all-reduce(-start)?\(", hlo)
   assert len(gram) == 1  # in the loop body ...
   trip = re.findall(r'known_trip_count":\{"n":"(\d+)"', hlo)
@@ -192,12 +269,17 @@ def test_distributed_all_reduces_the_gram_matrix_once_per_step():
 def test_allgather_uses_all_to_all_and_no_full_gather():
   mesh = _mesh((2, 4))
   tree = {f"w{i}": jnp.ones((32, 64)) for i in range(4)}
-  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="allgather"), dimension_numbers="leading")
+  tx = om.orthogonalize(
+    sharding=om.TensorParallel(mesh, mode="allgather"),
+    dimension_numbers="leading",
+  )
   _, counts = _collectives(tx, tree, {k: P(None, "model") for k in tree}, mesh)
   assert _only(counts, all_to_all=2)
   # three leaves on four ranks: padded with a zero matrix, still 2 all-to-alls
   three = {f"w{i}": jnp.ones((32, 64)) for i in range(3)}
-  _, counts = _collectives(tx, three, {k: P(None, "model") for k in three}, mesh)
+  _, counts = _collectives(
+    tx, three, {k: P(None, "model") for k in three}, mesh
+  )
   assert _only(counts, all_to_all=2)
   # two: the all-to-alls would move as much as gathering each, so duplicated
   two = {f"w{i}": jnp.ones((32, 64)) for i in range(2)}
@@ -205,26 +287,38 @@ def test_allgather_uses_all_to_all_and_no_full_gather():
   assert _only(counts, all_gather=2)
 
 
-@pytest.mark.parametrize("count,ranks,shares", [
-    (1, 4, False), (2, 4, False), (3, 4, True), (3, 8, True), (2, 2, True),
-    (9, 8, True)])
+@pytest.mark.parametrize(
+  "count,ranks,shares",
+  [
+    (1, 4, False),
+    (2, 4, False),
+    (3, 4, True),
+    (3, 8, True),
+    (2, 2, True),
+    (9, 8, True),
+  ],
+)
 def test_allgather_shares_out_when_it_moves_fewer_bytes(count, ranks, shares):
   assert om.sharding.shares_out(count, ranks) is shares
 
 
 def test_allgather_pads_four_leaves_over_eight_ranks_at_half_the_bytes():
   mesh = _mesh((8,))
-  params = {f"w{i}": jax.random.normal(jax.random.key(i), (32, 64))
-            for i in range(4)}
+  params = {
+    f"w{i}": jax.random.normal(jax.random.key(i), (32, 64)) for i in range(4)
+  }
   specs = {k: P(None, "model") for k in params}
   moved = {}
   for mode in ("duplicated", "allgather"):
-    tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode=mode), dimension_numbers="leading")
+    tx = om.orthogonalize(
+      sharding=om.TensorParallel(mesh, mode=mode), dimension_numbers="leading"
+    )
     hlo, counts = _collectives(tx, params, specs, mesh)
     moved[mode] = sum(_hlo.collective_bytes(hlo).values())
     out, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
-    chex.assert_trees_all_close(out, jax.tree.map(om.newton_schulz, params),
-                                atol=1e-5)
+    chex.assert_trees_all_close(
+      out, jax.tree.map(om.newton_schulz, params), atol=1e-5
+    )
   assert _only(counts, all_to_all=2)
   # 2 leaf-sized transfers against 4
   assert moved["allgather"] <= 0.55 * moved["duplicated"]
@@ -234,26 +328,41 @@ def test_allgather_stacks_transposed_shapes_together():
   # an MLP's up (32×128, columns split) and down (128×32, rows split) kernels
   # are each other's transposes: one group of four, not two groups of two
   mesh = _mesh((2, 4))
-  params = {f"up{i}": jax.random.normal(jax.random.key(i), (32, 128))
-            for i in range(2)}
-  params.update({f"down{i}": jax.random.normal(jax.random.key(5 + i),
-                                               (128, 32)) for i in range(2)})
-  specs = {k: P(None, "model") if k.startswith("up") else P("model", None)
-           for k in params}
-  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="allgather"), dimension_numbers="leading")
+  params = {
+    f"up{i}": jax.random.normal(jax.random.key(i), (32, 128)) for i in range(2)
+  }
+  params.update(
+    {
+      f"down{i}": jax.random.normal(jax.random.key(5 + i), (128, 32))
+      for i in range(2)
+    }
+  )
+  specs = {
+    k: P(None, "model") if k.startswith("up") else P("model", None)
+    for k in params
+  }
+  tx = om.orthogonalize(
+    sharding=om.TensorParallel(mesh, mode="allgather"),
+    dimension_numbers="leading",
+  )
   _, counts = _collectives(tx, params, specs, mesh)
   assert _only(counts, all_to_all=2)
   out, _ = _sharded_update(tx, _put(params, specs, mesh), mesh)
-  chex.assert_trees_all_close(out, jax.tree.map(om.newton_schulz, params),
-                              atol=1e-5)
+  chex.assert_trees_all_close(
+    out, jax.tree.map(om.newton_schulz, params), atol=1e-5
+  )
 
 
 def test_fsdp_axis_is_gathered_for_the_matrix_and_resplit():
   mesh = _mesh((2, 4))
   x = jax.random.normal(jax.random.key(1), (32, 64))
-  tx = om.orthogonalize(sharding=om.TensorParallel(mesh, mode="duplicated"), dimension_numbers="leading")
-  out, _ = _sharded_update(tx, _put({"w": x}, {"w": P("data", "model")}, mesh),
-                           mesh)
+  tx = om.orthogonalize(
+    sharding=om.TensorParallel(mesh, mode="duplicated"),
+    dimension_numbers="leading",
+  )
+  out, _ = _sharded_update(
+    tx, _put({"w": x}, {"w": P("data", "model")}, mesh), mesh
+  )
   assert out["w"].sharding.spec == P("data", "model")
   np.testing.assert_allclose(out["w"], om.newton_schulz(x), atol=1e-5)
 
@@ -263,50 +372,71 @@ def test_updates_and_state_keep_the_param_sharding(axis_type):
   mesh = _mesh((2, 4), axis_type)
   params, specs = _tree()
   tp = om.TensorParallel(mesh, mode="duplicated", specs=specs)
-  tx = om.muon(0.01, split_qkv=SPLIT, sharding=tp, labels=jax.tree.map(
-      lambda _: "muon", params), dimension_numbers="leading")
+  tx = om.muon(
+    0.01,
+    split_qkv=SPLIT,
+    sharding=tp,
+    labels=jax.tree.map(lambda _: "muon", params),
+    dimension_numbers="leading",
+  )
   sharded = _put(params, specs, mesh)
   with jax.set_mesh(mesh):
     state = jax.jit(tx.init)(sharded)
     updates, state = jax.jit(tx.update)(sharded, state, sharded)
   want = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-  kept = lambda tree: jax.tree.leaves(jax.tree.map(
+  kept = lambda tree: jax.tree.leaves(
+    jax.tree.map(
       lambda got, expected: got.sharding.is_equivalent_to(expected, got.ndim),
-      tree, want))
+      tree,
+      want,
+    )
+  )
   assert kept(updates) == [True] * len(jax.tree.leaves(params))
   assert kept(state.inner_states["muon"].inner_state[0][0].mu) == [True] * len(
-      jax.tree.leaves(params))
+    jax.tree.leaves(params)
+  )
 
 
 def test_zero1_momentum_sharding_splits_state_over_data():
   mesh = _mesh((2, 4), AxisType.Auto)
   params, specs = _tree()
-  tx = om.scale_by_muon(split_qkv=SPLIT, sharding=om.TensorParallel(
-      mesh, mode="duplicated", specs=specs), dimension_numbers="leading")
+  tx = om.scale_by_muon(
+    split_qkv=SPLIT,
+    sharding=om.TensorParallel(mesh, mode="duplicated", specs=specs),
+    dimension_numbers="leading",
+  )
   sharded = _put(params, specs, mesh)
   state = tx.init(sharded)
   zero1 = om.zero1_sharding(state[0].mu, mesh, "data", specs=specs)
   assert zero1["wide_out"].spec == P("data", "model")
   assert zero1["stacked"].spec == P("data", None, "model")
-  state = (state[0]._replace(mu=jax.device_put(state[0].mu, zero1)),) + state[1:]
-  per_device = lambda t: sum(s.data.nbytes for x in jax.tree.leaves(t)
-                             for s in x.addressable_shards[:1])
+  state = (state[0]._replace(mu=jax.device_put(state[0].mu, zero1)),) + state[
+    1:
+  ]
+  per_device = lambda t: sum(
+    s.data.nbytes for x in jax.tree.leaves(t) for s in x.addressable_shards[:1]
+  )
   tp_only = tx.init(sharded)[0].mu  # sharded like the params: 1/4 each
-  assert per_device(tp_only) * 4 == sum(x.nbytes for x in jax.tree.leaves(
-      tp_only))
+  assert per_device(tp_only) * 4 == sum(
+    x.nbytes for x in jax.tree.leaves(tp_only)
+  )
   assert per_device(state[0].mu) * 2 == per_device(tp_only)
   # two steps against the formulas, unsharded: the second reads the momentum
   # (m ← βm + (1−β)g, Nesterov u = (1−β)g + βm), then NS and the shape scale
-  direction = optax.chain(om.orthogonalize(split_qkv=SPLIT, dimension_numbers="leading"),
-                          om.scale_by_shape(split_qkv=SPLIT, dimension_numbers="leading"))
+  direction = optax.chain(
+    om.orthogonalize(split_qkv=SPLIT, dimension_numbers="leading"),
+    om.scale_by_shape(split_qkv=SPLIT, dimension_numbers="leading"),
+  )
   momentum = jax.tree.map(jnp.zeros_like, params)
   update = jax.jit(tx.update)
   for step in range(2):
     grads = jax.tree.map(lambda x: jnp.cos(x * (step + 1.0)), params)
     updates, state = update(_put(grads, specs, mesh), state)
     momentum = jax.tree.map(lambda m, g: 0.95 * m + 0.05 * g, momentum, grads)
-    expected, _ = direction.update(jax.tree.map(
-        lambda m, g: 0.05 * g + 0.95 * m, momentum, grads), direction.init(params))
+    expected, _ = direction.update(
+      jax.tree.map(lambda m, g: 0.05 * g + 0.95 * m, momentum, grads),
+      direction.init(params),
+    )
     chex.assert_trees_all_close(updates, expected, atol=1e-5)
     # the momentum keeps its data-axis split
     got = jax.tree.map(lambda x: x.sharding.spec, state[0].mu)
@@ -317,13 +447,18 @@ def test_distribute_over_data_splits_the_newton_schulz_work():
   mesh = _mesh((8, 1))
   # Each matrix is the largest of the update (320 KiB), which alone would not
   # be stacked; split over the data ranks, the stack is.
-  tree = {f"w{i}": jax.random.normal(jax.random.key(i), (128, 640))
-          for i in range(8)}
+  tree = {
+    f"w{i}": jax.random.normal(jax.random.key(i), (128, 640)) for i in range(8)
+  }
   specs = {k: P() for k in tree}
 
   def flops(distribute_over):
-    tx = om.orthogonalize(sharding=om.TensorParallel(
-        mesh, mode="duplicated", distribute_over=distribute_over), dimension_numbers="leading")
+    tx = om.orthogonalize(
+      sharding=om.TensorParallel(
+        mesh, mode="duplicated", distribute_over=distribute_over
+      ),
+      dimension_numbers="leading",
+    )
     sharded = _put(tree, specs, mesh)
     with jax.set_mesh(mesh):
       f = jax.jit(lambda u: tx.update(u, optax.EmptyState())[0])
@@ -338,13 +473,22 @@ def test_distribute_over_data_splits_the_newton_schulz_work():
 
 
 class _Model(nnx.Module):
-
   def __init__(self, rngs):
     init = nnx.initializers.lecun_normal()
-    self.up = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(
-        init, (None, "model")), use_bias=False, rngs=rngs)
-    self.down = nnx.Linear(64, 16, kernel_init=nnx.with_partitioning(
-        init, ("model", None)), use_bias=False, rngs=rngs)
+    self.up = nnx.Linear(
+      16,
+      64,
+      kernel_init=nnx.with_partitioning(init, (None, "model")),
+      use_bias=False,
+      rngs=rngs,
+    )
+    self.down = nnx.Linear(
+      64,
+      16,
+      kernel_init=nnx.with_partitioning(init, ("model", None)),
+      use_bias=False,
+      rngs=rngs,
+    )
 
   def __call__(self, x):
     return self.down(jax.nn.relu(self.up(x)))
@@ -357,12 +501,18 @@ def test_flax_model_with_partitioning_trains(mode):
     model = _Model(nnx.Rngs(0))
     specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
     tp = om.TensorParallel(mesh, mode=mode, specs=specs)
-    optimizer = nnx.Optimizer(model, om.muon(0.02, sharding=tp, dimension_numbers="leading"), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(
+      model,
+      om.muon(0.02, sharding=tp, dimension_numbers="leading"),
+      wrt=nnx.Param,
+    )
     x = jax.random.normal(jax.random.key(0), (32, 16))
 
     @nnx.jit
     def step(model, optimizer):
-      loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - x) ** 2))(model)
+      loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - x) ** 2))(
+        model
+      )
       optimizer.update(model, grads)
       return loss
 
@@ -381,15 +531,22 @@ def test_bad_sharding_settings_raise():
     om.TensorParallel(mesh, distribute_over="model")
   tree = {"w": jnp.ones((30, 64))}
   with pytest.raises(ValueError, match="does not divide"):
-    om.orthogonalize(sharding=om.TensorParallel(
-        mesh, specs={"w": P("model", None)}), dimension_numbers="leading").init(tree)
+    om.orthogonalize(
+      sharding=om.TensorParallel(mesh, specs={"w": P("model", None)}),
+      dimension_numbers="leading",
+    ).init(tree)
   with pytest.raises(ValueError, match="entries"):
-    om.orthogonalize(sharding=om.TensorParallel(
-        mesh, specs={"w": P("model", None, None)}), dimension_numbers="leading").init(tree)
+    om.orthogonalize(
+      sharding=om.TensorParallel(mesh, specs={"w": P("model", None, None)}),
+      dimension_numbers="leading",
+    ).init(tree)
   with pytest.raises(ValueError, match="not an axis"):
-    om.orthogonalize(sharding=om.TensorParallel(
-        mesh, specs={"w": P("tensor", None)}), dimension_numbers="leading").init(tree)
+    om.orthogonalize(
+      sharding=om.TensorParallel(mesh, specs={"w": P("tensor", None)}),
+      dimension_numbers="leading",
+    ).init(tree)
   auto = _mesh((2, 4), AxisType.Auto)
   with pytest.raises(ValueError, match="specs"):
-    om.orthogonalize(sharding=om.TensorParallel(auto), dimension_numbers="leading").update(
-        tree, optax.EmptyState())
+    om.orthogonalize(
+      sharding=om.TensorParallel(auto), dimension_numbers="leading"
+    ).update(tree, optax.EmptyState())

@@ -8,19 +8,26 @@ import pytest
 from flax import nnx
 
 import optax_muon as om
-from examples.flax_lm.model import GPT, GPTConfig
+from examples.flax_lm.model import GPT
+from examples.flax_lm.model import GPTConfig
 
 
 def _bytes(tree):
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
-             if hasattr(x, "dtype"))
+  return sum(
+    x.size * x.dtype.itemsize
+    for x in jax.tree.leaves(tree)
+    if hasattr(x, "dtype")
+  )
 
 
 def test_muon_state_is_half_of_adamw_for_the_muon_leaves():
   params = nnx.state(GPT(GPTConfig(), nnx.Rngs(0)), nnx.Param)  # example size
   labels = om.default_labels(params)
-  muon_leaves = [p for p, l in zip(jax.tree.leaves(params),
-                                   jax.tree.leaves(labels)) if l == "muon"]
+  muon_leaves = [
+    p
+    for p, l in zip(jax.tree.leaves(params), jax.tree.leaves(labels))
+    if l == "muon"
+  ]
   muon_state = om.muon(0.02).init(params).inner_states["muon"]
   adamw_state = optax.adamw(1e-3).init(muon_leaves)
   ratio = _bytes(muon_state) / _bytes(adamw_state)

@@ -14,14 +14,16 @@ from optax_muon import layout
 MDN = om.MuonDimensionNumbers
 
 
-
 class MomentumTest(chex.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_styles_and_nesterov_follow_the_formulas(self):
     beta, grads = 0.9, [gaussian((3, 4), i) for i in range(3)]
-    for style, nesterov in [("ema", True), ("ema", False), ("sgd", True),
-                            ("sgd", False)]:
+    for style, nesterov in [
+      ("ema", True),
+      ("ema", False),
+      ("sgd", True),
+      ("sgd", False),
+    ]:
       tx = om.momentum(beta, nesterov=nesterov, style=style)
       state, update = tx.init(grads[0]), self.variant(tx.update)
       m = np.zeros((3, 4))
@@ -40,8 +42,9 @@ class MomentumTest(chex.TestCase):
     assert state.mu.dtype == jnp.float32
     _, state = tx.update(params, state)
     assert state.mu.dtype == jnp.float32
-    np.testing.assert_allclose(state.mu, 0.05 * np.asarray(params, np.float32),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+      state.mu, 0.05 * np.asarray(params, np.float32), rtol=1e-6
+    )
 
   def test_default_dtype_is_the_param_dtype(self):
     tx = om.momentum()
@@ -50,12 +53,16 @@ class MomentumTest(chex.TestCase):
 
 
 class OrthogonalizeTest(chex.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_grouped_equals_one_by_one(self):
-    tree = {"a": gaussian((32, 64), 0), "b": gaussian((64, 32), 1),
-            "c": gaussian((32, 64), 2), "d": gaussian((16, 24), 3),
-            "stacked": gaussian((3, 32, 64), 4), "bf16": gaussian((24, 16), 5, jnp.bfloat16)}
+    tree = {
+      "a": gaussian((32, 64), 0),
+      "b": gaussian((64, 32), 1),
+      "c": gaussian((32, 64), 2),
+      "d": gaussian((16, 24), 3),
+      "stacked": gaussian((3, 32, 64), 4),
+      "bf16": gaussian((24, 16), 5, jnp.bfloat16),
+    }
     tx = om.orthogonalize(dimension_numbers="leading")
     out, _ = self.variant(tx.update)(tree, tx.init(tree))
     for name, leaf in tree.items():
@@ -64,8 +71,9 @@ class OrthogonalizeTest(chex.TestCase):
       chex.assert_trees_all_close(out[name], expected, atol=1e-6)
 
   def test_one_batched_newton_schulz_per_shape(self):
-    tree = {f"w{i}": gaussian((32, 64) if i % 2 else (64, 32), i)
-            for i in range(6)}
+    tree = {
+      f"w{i}": gaussian((32, 64) if i % 2 else (64, 32), i) for i in range(6)
+    }
     tx = om.orthogonalize(steps=5, dimension_numbers="leading")
     jaxpr = jax.make_jaxpr(lambda t: tx.update(t, optax.EmptyState()))(tree)
     loops = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
@@ -82,8 +90,10 @@ class OrthogonalizeTest(chex.TestCase):
     one_matrix = 96 * 384 * 4
     assert compiled.memory_analysis().temp_size_in_bytes <= 2 * one_matrix
     # Beside a larger matrix, the small ones still share one loop.
-    tree = {"big": jnp.ones((512, 1024)),
-            **{f"s{i}": jnp.ones((64, 128)) for i in range(8)}}
+    tree = {
+      "big": jnp.ones((512, 1024)),
+      **{f"s{i}": jnp.ones((64, 128)) for i in range(8)},
+    }
     jaxpr = jax.make_jaxpr(lambda t: tx.update(t, optax.EmptyState()))(tree)
     loops = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
     assert len(loops) == 2
@@ -92,7 +102,9 @@ class OrthogonalizeTest(chex.TestCase):
   def test_a_tree_without_matrices_passes_through(self):
     tx = om.orthogonalize(dimension_numbers="leading")
     assert self.variant(tx.update)({}, tx.init({}))[0] == {}
-    tx = om.muon(0.1, dimension_numbers="leading")  # every leaf a vector: the Muon branch gets no leaf
+    tx = om.muon(
+      0.1, dimension_numbers="leading"
+    )  # every leaf a vector: the Muon branch gets no leaf
     vector = {"b": jnp.arange(3.0)}
     out, _ = self.variant(tx.update)(vector, tx.init(vector), vector)
     assert out["b"].shape == (3,)
@@ -110,23 +122,28 @@ class OrthogonalizeTest(chex.TestCase):
     tx = om.orthogonalize(dimension_numbers={"w": MDN(0, 2)})
     out, _ = tx.update({"w": x}, tx.init({"w": x}))
     for e in range(5):
-      np.testing.assert_allclose(out["w"][:, e], om.newton_schulz(x[:, e]),
-                                 atol=1e-6)
+      np.testing.assert_allclose(
+        out["w"][:, e], om.newton_schulz(x[:, e]), atol=1e-6
+      )
 
   def test_dimension_numbers_callable(self):
     tree = {"w": gaussian((4, 6, 10), 0)}
     tx = om.orthogonalize(
-        dimension_numbers=lambda p: jax.tree.map(lambda _: MDN((0, 1), 2), p))
+      dimension_numbers=lambda p: jax.tree.map(lambda _: MDN((0, 1), 2), p)
+    )
     out, _ = tx.update(tree, tx.init(tree))
     np.testing.assert_allclose(
-        out["w"], om.newton_schulz(tree["w"].reshape(24, 10)).reshape(4, 6, 10),
-        atol=1e-6)
+      out["w"],
+      om.newton_schulz(tree["w"].reshape(24, 10)).reshape(4, 6, 10),
+      atol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("split_layout", layout.QKV_LAYOUTS)
 @pytest.mark.parametrize("stacked", [False, True])
-def test_split_qkv_orthogonalizes_and_scales_q_k_v_separately(split_layout,
-                                                              stacked):
+def test_split_qkv_orthogonalizes_and_scales_q_k_v_separately(
+  split_layout, stacked
+):
   heads, kv_heads, head_dim, d = 4, 2, 8, 48
   split = om.SplitQKV(heads, kv_heads, head_dim, layout=split_layout)
   width = (heads + 2 * kv_heads) * head_dim
@@ -136,19 +153,27 @@ def test_split_qkv_orthogonalizes_and_scales_q_k_v_separately(split_layout,
   if split_layout == "grouped":
     g = xs.reshape(xs.shape[0], d, kv_heads, per_group + 2 * head_dim)
     q = g[..., :per_group].reshape(-1, d, heads * head_dim)
-    k = g[..., per_group:per_group + head_dim].reshape(-1, d, kv_heads * head_dim)
-    v = g[..., per_group + head_dim:].reshape(-1, d, kv_heads * head_dim)
+    k = g[..., per_group : per_group + head_dim].reshape(
+      -1, d, kv_heads * head_dim
+    )
+    v = g[..., per_group + head_dim :].reshape(-1, d, kv_heads * head_dim)
   else:
-    q, k, v = jnp.split(xs, [heads * head_dim, (heads + kv_heads) * head_dim],
-                        axis=-1)
-  chain = optax.chain(om.orthogonalize(split_qkv=split, dimension_numbers="leading"),
-                      om.scale_by_shape("spectral", split_qkv=split, dimension_numbers="leading"))
-  tree = {"attn": {"qkv": {"kernel": x}}, "mlp": {"kernel": gaussian((d, width), 1)}}
+    q, k, v = jnp.split(
+      xs, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1
+    )
+  chain = optax.chain(
+    om.orthogonalize(split_qkv=split, dimension_numbers="leading"),
+    om.scale_by_shape("spectral", split_qkv=split, dimension_numbers="leading"),
+  )
+  tree = {
+    "attn": {"qkv": {"kernel": x}},
+    "mlp": {"kernel": gaussian((d, width), 1)},
+  }
   out, _ = chain.update(tree, chain.init(tree))
   parts = [om.newton_schulz(p) * np.sqrt(max(p.shape[-2:])) for p in (q, k, v)]
   if split_layout == "grouped":
     merged = jnp.concatenate(
-        [p.reshape(p.shape[0], d, kv_heads, -1) for p in parts], axis=-1
+      [p.reshape(p.shape[0], d, kv_heads, -1) for p in parts], axis=-1
     ).reshape(xs.shape)
   else:
     merged = jnp.concatenate(parts, axis=-1)
@@ -156,13 +181,19 @@ def test_split_qkv_orthogonalizes_and_scales_q_k_v_separately(split_layout,
   np.testing.assert_allclose(out["attn"]["qkv"]["kernel"], expected, atol=1e-5)
   # a leaf whose path does not match the pattern is one whole matrix
   mlp = tree["mlp"]["kernel"]
-  np.testing.assert_allclose(out["mlp"]["kernel"], om.newton_schulz(mlp) *
-                             np.sqrt(width), atol=1e-5)
+  np.testing.assert_allclose(
+    out["mlp"]["kernel"], om.newton_schulz(mlp) * np.sqrt(width), atol=1e-5
+  )
 
 
-@pytest.mark.parametrize("mode, expected", [
-    ("spectral", np.sqrt(48)), ("shape_scaling", np.sqrt(3.0)),
-    ("unit_rms_norm", np.sqrt(48 / 16))])
+@pytest.mark.parametrize(
+  "mode, expected",
+  [
+    ("spectral", np.sqrt(48)),
+    ("shape_scaling", np.sqrt(3.0)),
+    ("unit_rms_norm", np.sqrt(48 / 16)),
+  ],
+)
 def test_scale_modes(mode, expected):
   assert om.scale_factor(48, 16, mode) == pytest.approx(expected)
 
@@ -179,7 +210,9 @@ def test_scale_by_shape_scales_each_stacked_matrix_by_its_shape(mode):
 def test_match_adamw_update_rms_uses_beta1_factor():
   x = {"w": gaussian((64, 64), 0)}
   plain = om.scale_by_muon(extra_scale_factor=1.0, dimension_numbers="leading")
-  matched = om.scale_by_muon(match_adamw_update_rms=True, adamw_beta1=0.9, dimension_numbers="leading")
+  matched = om.scale_by_muon(
+    match_adamw_update_rms=True, adamw_beta1=0.9, dimension_numbers="leading"
+  )
   a, _ = plain.update(x, plain.init(x))
   b, _ = matched.update(x, matched.init(x))
   np.testing.assert_allclose(b["w"], a["w"] * 0.22941573387056174, rtol=1e-5)
@@ -191,12 +224,20 @@ def test_match_adamw_update_rms_uses_beta1_factor():
 def test_match_adamw_update_rms_is_logged_once(caplog):
   caplog.set_level("INFO", logger="optax_muon")
   from optax_muon import alias
+
   alias._logged_factors.clear()
   for _ in range(3):
-    om.muon(0.01, match_adamw_update_rms=True, adam_b1=0.9, dimension_numbers="leading")
+    om.muon(
+      0.01,
+      match_adamw_update_rms=True,
+      adam_b1=0.9,
+      dimension_numbers="leading",
+    )
   lines = [r.getMessage() for r in caplog.records if "resolved" in r.message]
-  assert lines == ["match_adamw_update_rms: extra_scale_factor resolved to "
-                   "0.229416 from adamw beta1=0.9"]
+  assert lines == [
+    "match_adamw_update_rms: extra_scale_factor resolved to "
+    "0.229416 from adamw beta1=0.9"
+  ]
 
 
 def test_weight_decay_is_decoupled_and_multiplied_by_lr():
@@ -208,14 +249,24 @@ def test_weight_decay_is_decoupled_and_multiplied_by_lr():
 
 
 def test_weight_decay_masks_by_path_and_adam_settings_are_independent():
-  params = {"a": {"kernel": jnp.ones((4, 4))}, "b": {"kernel": jnp.ones((4, 4))},
-            "bias": jnp.ones((4,))}
+  params = {
+    "a": {"kernel": jnp.ones((4, 4))},
+    "b": {"kernel": jnp.ones((4, 4))},
+    "bias": jnp.ones((4,)),
+  }
   grads = jax.tree.map(jnp.zeros_like, params)
-  tx = om.muon(0.1, weight_decay=1.0,
-               weight_decay_mask={"a": {"kernel": True}, "b": {"kernel": False},
-                                  "bias": False},
-               adam_learning_rate=0.01, adam_weight_decay=2.0,
-               adam_weight_decay_mask={"bias": True})
+  tx = om.muon(
+    0.1,
+    weight_decay=1.0,
+    weight_decay_mask={
+      "a": {"kernel": True},
+      "b": {"kernel": False},
+      "bias": False,
+    },
+    adam_learning_rate=0.01,
+    adam_weight_decay=2.0,
+    adam_weight_decay_mask={"bias": True},
+  )
   updates, _ = tx.update(grads, tx.init(params), params)
   np.testing.assert_allclose(updates["a"]["kernel"], -0.1, rtol=1e-6)
   np.testing.assert_allclose(updates["b"]["kernel"], 0.0)
@@ -229,43 +280,65 @@ def test_weight_decay_masks_by_path_and_adam_settings_are_independent():
 def test_scalar_optimizer_lion_and_adam_get_the_non_muon_leaves():
   params = {"kernel": gaussian((8, 8), 0), "bias": jnp.ones((8,))}
   grads = {"kernel": gaussian((8, 8), 1), "bias": jnp.linspace(-1, 1, 8)}
-  for name, reference in [("adam", optax.adamw(0.01, weight_decay=0.0)),
-                          ("lion", optax.lion(0.01, b2=0.999, weight_decay=0.0))]:
-    tx = om.muon(0.02, scalar_optimizer=name, adam_learning_rate=0.01,
-                 adam_weight_decay=0.0, dimension_numbers="leading")
+  for name, reference in [
+    ("adam", optax.adamw(0.01, weight_decay=0.0)),
+    ("lion", optax.lion(0.01, b2=0.999, weight_decay=0.0)),
+  ]:
+    tx = om.muon(
+      0.02,
+      scalar_optimizer=name,
+      adam_learning_rate=0.01,
+      adam_weight_decay=0.0,
+      dimension_numbers="leading",
+    )
     updates, _ = tx.update(grads, tx.init(params), params)
-    expected, _ = reference.update(grads["bias"], reference.init(params["bias"]),
-                                   params["bias"])
+    expected, _ = reference.update(
+      grads["bias"], reference.init(params["bias"]), params["bias"]
+    )
     np.testing.assert_allclose(updates["bias"], expected, rtol=1e-6)
     muon_only, _ = om.scale_by_muon(dimension_numbers="leading").update(
-        {"k": grads["kernel"]}, om.scale_by_muon(dimension_numbers="leading").init({"k": params["kernel"]}))
-    np.testing.assert_allclose(updates["kernel"], -0.02 * muon_only["k"],
-                               rtol=1e-5, atol=1e-7)
+      {"k": grads["kernel"]},
+      om.scale_by_muon(dimension_numbers="leading").init(
+        {"k": params["kernel"]}
+      ),
+    )
+    np.testing.assert_allclose(
+      updates["kernel"], -0.02 * muon_only["k"], rtol=1e-5, atol=1e-7
+    )
 
 
 def test_explicit_labels_override_the_default():
   params = {"embed": gaussian((16, 8), 0), "kernel": gaussian((8, 8), 1)}
   grads = {"embed": gaussian((16, 8), 2), "kernel": gaussian((8, 8), 3)}
-  tx = om.muon(0.1, labels={"embed": "muon", "kernel": "adam"}, dimension_numbers="leading")
+  tx = om.muon(
+    0.1, labels={"embed": "muon", "kernel": "adam"}, dimension_numbers="leading"
+  )
   updates, _ = tx.update(grads, tx.init(params), params)
   muon = om.scale_by_muon(dimension_numbers="leading")
-  expected, _ = muon.update({"embed": grads["embed"]},
-                            muon.init({"embed": params["embed"]}))
-  np.testing.assert_allclose(updates["embed"], -0.1 * expected["embed"],
-                             rtol=1e-5, atol=1e-7)
+  expected, _ = muon.update(
+    {"embed": grads["embed"]}, muon.init({"embed": params["embed"]})
+  )
+  np.testing.assert_allclose(
+    updates["embed"], -0.1 * expected["embed"], rtol=1e-5, atol=1e-7
+  )
   adamw = optax.adamw(0.1, weight_decay=0.0)
-  expected, _ = adamw.update(grads["kernel"], adamw.init(params["kernel"]),
-                             params["kernel"])
+  expected, _ = adamw.update(
+    grads["kernel"], adamw.init(params["kernel"]), params["kernel"]
+  )
   np.testing.assert_allclose(updates["kernel"], expected, rtol=1e-6)
 
 
-@pytest.mark.parametrize("setting", [{"mu_dtype": jnp.bfloat16},
-                                     {"precision": "medium"},
-                                     {"method": "gram"}])
+@pytest.mark.parametrize(
+  "setting",
+  [{"mu_dtype": jnp.bfloat16}, {"precision": "medium"}, {"method": "gram"}],
+)
 def test_muon_forwards_its_settings_to_scale_by_muon(setting):
   params = {"w": gaussian((16, 64), 0)}
   grads = [{"w": gaussian((16, 64), seed)} for seed in (1, 2)]
-  tx, reference = om.muon(0.1, **setting, dimension_numbers="leading"), om.scale_by_muon(**setting, dimension_numbers="leading")
+  tx, reference = (
+    om.muon(0.1, **setting, dimension_numbers="leading"),
+    om.scale_by_muon(**setting, dimension_numbers="leading"),
+  )
   state, reference_state = tx.init(params), reference.init(params)
   default = om.scale_by_muon(dimension_numbers="leading")
   default_state = default.init(params)
@@ -273,8 +346,9 @@ def test_muon_forwards_its_settings_to_scale_by_muon(setting):
     updates, state = tx.update(g, state, params)
     expected, reference_state = reference.update(g, reference_state)
     plain, default_state = default.update(g, default_state)
-  np.testing.assert_allclose(updates["w"], -0.1 * expected["w"], rtol=1e-6,
-                             atol=1e-7)
+  np.testing.assert_allclose(
+    updates["w"], -0.1 * expected["w"], rtol=1e-6, atol=1e-7
+  )
   assert np.abs(expected["w"] - plain["w"]).max() > 1e-6  # it matters
   momentum = state.inner_states["muon"].inner_state[0][0].mu["w"]
   assert momentum.dtype == setting.get("mu_dtype", jnp.float32)

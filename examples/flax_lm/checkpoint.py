@@ -32,8 +32,9 @@ def to_host(x) -> np.ndarray:
 def place(array: np.ndarray, sharding) -> jax.Array:
   """A host array (the same on every process) as a global array: each
   process puts only the shards its devices hold."""
-  return jax.make_array_from_callback(np.shape(array), sharding,
-                                      lambda index: array[index])
+  return jax.make_array_from_callback(
+    np.shape(array), sharding, lambda index: array[index]
+  )
 
 
 def tree_sha256(tree) -> str:
@@ -57,20 +58,33 @@ class Checkpointer:
     if best_metric is not None:
       score = lambda metrics: metrics[best_metric]
       options = dict(
-          best_fn=score, best_mode="max",
-          preservation_policy=checkpoint_managers.AnyPreservationPolicy([
-              checkpoint_managers.LatestN(n=keep),
-              checkpoint_managers.BestN(get_metric_fn=score, n=1)]))
+        best_fn=score,
+        best_mode="max",
+        preservation_policy=checkpoint_managers.AnyPreservationPolicy(
+          [
+            checkpoint_managers.LatestN(n=keep),
+            checkpoint_managers.BestN(get_metric_fn=score, n=1),
+          ]
+        ),
+      )
     self._manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=False, **options))
+      self.directory,
+      options=ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=False, **options
+      ),
+    )
 
   def save(self, step: int, state, meta: dict, metrics=None) -> None:
     leaves = [to_host(x) for x in jax.tree.leaves(state)]
     meta = dict(meta, step=step, sha256=tree_sha256(leaves))
-    self._manager.save(step, args=ocp.args.Composite(
-        arrays=ocp.args.StandardSave(leaves), meta=ocp.args.JsonSave(meta)),
-                       metrics=metrics, force=True)
+    self._manager.save(
+      step,
+      args=ocp.args.Composite(
+        arrays=ocp.args.StandardSave(leaves), meta=ocp.args.JsonSave(meta)
+      ),
+      metrics=metrics,
+      force=True,
+    )
     self._manager.wait_until_finished()
 
   def best_step(self) -> int | None:
@@ -86,20 +100,28 @@ class Checkpointer:
     leaves, treedef = jax.tree.flatten(like)
     target = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          arrays=ocp.args.StandardRestore(target),
-          meta=ocp.args.JsonRestore()))
+      restored = self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+          arrays=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
+        ),
+      )
     except Exception as error:  # pylint: disable=broad-except
-      raise ValueError(f"checkpoint {step} in {self.directory} does not read "
-                       f"({error})") from error
+      raise ValueError(
+        f"checkpoint {step} in {self.directory} does not read ({error})"
+      ) from error
     arrays, meta = list(restored["arrays"]), restored["meta"]
     if tree_sha256(arrays) != meta["sha256"]:
-      raise ValueError(f"checkpoint {step} in {self.directory}: the arrays do "
-                       "not match their recorded SHA-256")
+      raise ValueError(
+        f"checkpoint {step} in {self.directory}: the arrays do "
+        "not match their recorded SHA-256"
+      )
     # each array back where ``like``'s is: on its sharding if it was put
     # there, else uncommitted (jit then places it, as the fresh state's)
-    arrays = [place(a, x.sharding) if getattr(x, "committed", False)
-              else jnp.asarray(a) for a, x in zip(arrays, leaves)]
+    arrays = [
+      place(a, x.sharding) if getattr(x, "committed", False) else jnp.asarray(a)
+      for a, x in zip(arrays, leaves)
+    ]
     return jax.tree.unflatten(treedef, arrays), meta
 
   def restore_latest(self, like):
@@ -118,7 +140,9 @@ class Checkpointer:
       except ValueError as error:
         _logger.warning("%s; trying the previous one", error)
     if self._manager.all_steps():
-      raise ValueError(f"no checkpoint in {self.directory} restores (steps "
-                       f"{sorted(self._manager.all_steps())} are unreadable or "
-                       "corrupted); remove them or start without --resume")
+      raise ValueError(
+        f"no checkpoint in {self.directory} restores (steps "
+        f"{sorted(self._manager.all_steps())} are unreadable or "
+        "corrupted); remove them or start without --resume"
+      )
     return None

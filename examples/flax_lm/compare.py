@@ -30,32 +30,46 @@ from examples.flax_lm import config as config_lib
 from examples.flax_lm import train as train_lib
 
 CONTESTANTS = {
-    "adam": ("optim.optimizer=adam",),
-    "muon": ("optim.optimizer=muon",),
-    "optax": ("optim.optimizer=muon", "train.muon_impl=optax.contrib"),
+  "adam": ("optim.optimizer=adam",),
+  "muon": ("optim.optimizer=muon",),
+  "optax": ("optim.optimizer=muon", "train.muon_impl=optax.contrib"),
 }
 LABELS = {"adam": "AdamW", "muon": "optax_muon", "optax": "optax.contrib.muon"}
-SWEEPS = {"tiny": {"adam": (3e-3, 1e-2, 2e-2), "muon": (3e-3, 1e-2, 2e-2),
-                   "optax": (1e-2, 2e-2, 4e-2)},
-          "small": {"adam": (1e-3, 2e-3, 4e-3), "muon": (4e-3, 8e-3, 1.6e-2),
-                    "optax": (4e-3, 8e-3, 1.6e-2)}}
+SWEEPS = {
+  "tiny": {
+    "adam": (3e-3, 1e-2, 2e-2),
+    "muon": (3e-3, 1e-2, 2e-2),
+    "optax": (1e-2, 2e-2, 4e-2),
+  },
+  "small": {
+    "adam": (1e-3, 2e-3, 4e-3),
+    "muon": (4e-3, 8e-3, 1.6e-2),
+    "optax": (4e-3, 8e-3, 1.6e-2),
+  },
+}
 SEEDS = (0, 1)
 MAX_EXTENSIONS = 3
 
 
 def _curve(run_dir: pathlib.Path) -> list[dict]:
-  records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text()
-             .splitlines() if l.strip()]
+  records = [
+    json.loads(l)
+    for l in (run_dir / "metrics.jsonl").read_text().splitlines()
+    if l.strip()
+  ]
   return [r for r in records if "val_loss" in r]
 
 
 def mean_curve(curves: list[list[dict]]) -> list[dict]:
   """The seeds' validation curves averaged step by step."""
-  return [{"step": points[0]["step"],
-           "val_loss": statistics.fmean(p["val_loss"] for p in points),
-           "wall_time": statistics.fmean(p.get("wall_time", 0.0)
-                                         for p in points)}
-          for points in zip(*curves)]
+  return [
+    {
+      "step": points[0]["step"],
+      "val_loss": statistics.fmean(p["val_loss"] for p in points),
+      "wall_time": statistics.fmean(p.get("wall_time", 0.0) for p in points),
+    }
+    for points in zip(*curves)
+  ]
 
 
 def match_ratios(run: dict, adam: dict) -> dict:
@@ -65,12 +79,18 @@ def match_ratios(run: dict, adam: dict) -> dict:
   adam_steps = adam["curve"][-1]["step"]
   if reached is None:
     return {"adam_final_val_loss": target, "reaches_it": False}
-  flops = lambda run, steps: steps * (run["info"]["model_flops_per_step"] +
-                                      run["info"]["ns_flops_per_step"])
-  return {"adam_final_val_loss": target, "reaches_it": True,
-          "steps": reached["step"], "adam_steps": adam_steps,
-          "step_ratio": reached["step"] / adam_steps,
-          "flop_ratio": flops(run, reached["step"]) / flops(adam, adam_steps)}
+  flops = lambda run, steps: (
+    steps
+    * (run["info"]["model_flops_per_step"] + run["info"]["ns_flops_per_step"])
+  )
+  return {
+    "adam_final_val_loss": target,
+    "reaches_it": True,
+    "steps": reached["step"],
+    "adam_steps": adam_steps,
+    "step_ratio": reached["step"] / adam_steps,
+    "flop_ratio": flops(run, reached["step"]) / flops(adam, adam_steps),
+  }
 
 
 def next_lr(results: dict) -> float | None:
@@ -86,8 +106,10 @@ def next_lr(results: dict) -> float | None:
 
 def plot(runs: dict, path: pathlib.Path) -> None:
   import matplotlib  # pylint: disable=import-outside-toplevel
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
   fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
   for name, run in runs.items():
     curve, info = run["curve"], run["info"]
@@ -98,8 +120,14 @@ def plot(runs: dict, path: pathlib.Path) -> None:
     axes[0].plot(steps, losses, label=label)
     axes[1].plot([r.get("wall_time", 0.0) for r in curve], losses, label=label)
     axes[2].plot([s * per_step for s in steps], losses, label=label)
-  for ax, xlabel in zip(axes, ["step", "wall-clock (s, compile excluded)",
-                               "FLOPs (model 6·N·tokens + Newton–Schulz)"]):
+  for ax, xlabel in zip(
+    axes,
+    [
+      "step",
+      "wall-clock (s, compile excluded)",
+      "FLOPs (model 6·N·tokens + Newton–Schulz)",
+    ],
+  ):
     ax.set_xlabel(xlabel)
     ax.grid(alpha=0.3)
   axes[2].set_xscale("linear")
@@ -117,32 +145,52 @@ def _as_dict(cfg) -> dict:
   return settings
 
 
-def run_one(overrides, contestant: str, lr: float, seed: int,
-            root: pathlib.Path, reuse: bool) -> tuple[dict, pathlib.Path]:
+def run_one(
+  overrides,
+  contestant: str,
+  lr: float,
+  seed: int,
+  root: pathlib.Path,
+  reuse: bool,
+) -> tuple[dict, pathlib.Path]:
   """One training run; with ``reuse`` a finished run of the same settings is
   read, not redone."""
   base = config_lib.run_config(overrides)
   name = f"{base.preset}-{contestant}-lr{lr:g}-seed{seed}"
   run_dir = root / "runs" / name
-  cfg = config_lib.run_config(list(overrides) + list(CONTESTANTS[contestant]) + [
-      f"optim.lr={lr}", f"train.seed={seed}", f"train.name={name}",
-      f"train.out_dir={run_dir}", "train.progress=false"])
-  final, trained = reuse_or_train(run_dir, _as_dict(cfg),
-                                  lambda: train_lib.train(cfg), reuse)
+  cfg = config_lib.run_config(
+    list(overrides)
+    + list(CONTESTANTS[contestant])
+    + [
+      f"optim.lr={lr}",
+      f"train.seed={seed}",
+      f"train.name={name}",
+      f"train.out_dir={run_dir}",
+      "train.progress=false",
+    ]
+  )
+  final, trained = reuse_or_train(
+    run_dir, _as_dict(cfg), lambda: train_lib.train(cfg), reuse
+  )
   if trained:
     print(f"  {name}: val loss {final['final_val_loss']:.4f}", flush=True)
   return final, run_dir
 
 
-def reuse_or_train(run_dir: pathlib.Path, settings: dict, train,
-                   reuse: bool) -> tuple[dict, bool]:
+def reuse_or_train(
+  run_dir: pathlib.Path, settings: dict, train, reuse: bool
+) -> tuple[dict, bool]:
   """``(final, trained)``: with ``reuse``, the ``final.json`` of a run in
   ``run_dir`` that finished with ``settings``; else ``train()``'s, run afresh,
   its settings recorded (``config.json``) and its checkpoints dropped (the
   curves suffice)."""
   finished, recorded = run_dir / "final.json", run_dir / "config.json"
-  if (reuse and finished.exists() and recorded.exists() and
-      json.loads(recorded.read_text()) == settings):
+  if (
+    reuse
+    and finished.exists()
+    and recorded.exists()
+    and json.loads(recorded.read_text()) == settings
+  ):
     return json.loads(finished.read_text()), False
   shutil.rmtree(run_dir, ignore_errors=True)
   final = train()
@@ -151,8 +199,15 @@ def reuse_or_train(run_dir: pathlib.Path, settings: dict, train,
   return final, True
 
 
-def sweep(overrides, contestant: str, lrs, seeds, root: pathlib.Path,
-          reuse: bool, max_extensions: int | None = None) -> tuple[dict, bool]:
+def sweep(
+  overrides,
+  contestant: str,
+  lrs,
+  seeds,
+  root: pathlib.Path,
+  reuse: bool,
+  max_extensions: int | None = None,
+) -> tuple[dict, bool]:
   """``lr -> {"final_val_loss": seed mean, "seeds": [...], "dirs": [...]}``,
   extended until the best lr is bracketed; and whether it is."""
   results = {}
@@ -160,11 +215,15 @@ def sweep(overrides, contestant: str, lrs, seeds, root: pathlib.Path,
   extensions = MAX_EXTENSIONS if max_extensions is None else max_extensions
   for _ in range(extensions + 1):
     for lr in pending:
-      finals = [run_one(overrides, contestant, lr, seed, root, reuse)
-                for seed in seeds]
+      finals = [
+        run_one(overrides, contestant, lr, seed, root, reuse) for seed in seeds
+      ]
       losses = [final["final_val_loss"] for final, _ in finals]
-      results[lr] = {"final_val_loss": statistics.fmean(losses),
-                     "seeds": losses, "dirs": [d for _, d in finals]}
+      results[lr] = {
+        "final_val_loss": statistics.fmean(losses),
+        "seeds": losses,
+        "dirs": [d for _, d in finals],
+      }
     extension = next_lr(results)
     if extension is None:
       return results, True
@@ -172,8 +231,14 @@ def sweep(overrides, contestant: str, lrs, seeds, root: pathlib.Path,
   return results, next_lr(results) is None
 
 
-def compare(overrides=(), sweeps=None, out="results", reuse=True,
-            seeds=SEEDS, max_extensions: int | None = None) -> dict:
+def compare(
+  overrides=(),
+  sweeps=None,
+  out="results",
+  reuse=True,
+  seeds=SEEDS,
+  max_extensions: int | None = None,
+) -> dict:
   """Sweeps each contestant, picks its best lr by the seed-mean final loss,
   writes the results (see the module docstring) and returns the summary."""
   base = config_lib.run_config(overrides)
@@ -182,25 +247,44 @@ def compare(overrides=(), sweeps=None, out="results", reuse=True,
   root.mkdir(parents=True, exist_ok=True)
   sweep_table, best, runs = [], {}, {}
   for contestant, lrs in sweeps.items():
-    results, bracketed = sweep(overrides, contestant, lrs, seeds, root, reuse,
-                               max_extensions)
+    results, bracketed = sweep(
+      overrides, contestant, lrs, seeds, root, reuse, max_extensions
+    )
     for lr in sorted(results):
-      sweep_table.append({"optimizer": contestant, "lr": lr,
-                          "final_val_loss": results[lr]["final_val_loss"],
-                          "seeds": results[lr]["seeds"]})
+      sweep_table.append(
+        {
+          "optimizer": contestant,
+          "lr": lr,
+          "final_val_loss": results[lr]["final_val_loss"],
+          "seeds": results[lr]["seeds"],
+        }
+      )
     lr = min(results, key=lambda lr: results[lr]["final_val_loss"])
-    best[contestant] = {"lr": lr, "bracketed": bracketed,
-                        **{k: results[lr][k] for k in ("final_val_loss",
-                                                       "seeds")}}
+    best[contestant] = {
+      "lr": lr,
+      "bracketed": bracketed,
+      **{k: results[lr][k] for k in ("final_val_loss", "seeds")},
+    }
     dirs = results[lr]["dirs"]
     shutil.copy(dirs[0] / "metrics.jsonl", root / f"{contestant}.jsonl")
-    runs[contestant] = {"lr": lr, "curve": mean_curve([_curve(d) for d in dirs]),
-                        "info": json.loads((dirs[0] / "run.json").read_text())}
-  summary = {"preset": base.preset, "steps": base.train.steps,
-             "seeds": list(seeds), "sweep": sweep_table, "best": best}
+    runs[contestant] = {
+      "lr": lr,
+      "curve": mean_curve([_curve(d) for d in dirs]),
+      "info": json.loads((dirs[0] / "run.json").read_text()),
+    }
+  summary = {
+    "preset": base.preset,
+    "steps": base.train.steps,
+    "seeds": list(seeds),
+    "sweep": sweep_table,
+    "best": best,
+  }
   if "adam" in runs:
-    summary["vs_adam"] = {name: match_ratios(run, runs["adam"])
-                          for name, run in runs.items() if name != "adam"}
+    summary["vs_adam"] = {
+      name: match_ratios(run, runs["adam"])
+      for name, run in runs.items()
+      if name != "adam"
+    }
   (root / "summary.json").write_text(json.dumps(summary, indent=1))
   plot(runs, root / "val_loss.png")
   return summary
@@ -213,46 +297,71 @@ def parse_lrs(items, names) -> dict:
   for item in items:
     name, _, lrs = item.partition("=")
     if name not in names or not lrs:
-      raise ValueError(f"--lrs {item!r}: expected NAME=LR,LR with NAME in "
-                       f"{list(names)}")
+      raise ValueError(
+        f"--lrs {item!r}: expected NAME=LR,LR with NAME in {list(names)}"
+      )
     sweeps[name] = tuple(float(lr) for lr in lrs.split(","))
   return sweeps
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("overrides", nargs="*",
-                      help="preset=tiny|small and model./train./optim. fields")
+  parser.add_argument(
+    "overrides",
+    nargs="*",
+    help="preset=tiny|small and model./train./optim. fields",
+  )
   parser.add_argument("--out", default="results")
-  parser.add_argument("--lrs", nargs="+", metavar="CONTESTANT=LR,LR",
-                      help="the starting sweeps, e.g. adam=2e-3,4e-3 muon=4e-3 "
-                      f"(contestants: {', '.join(CONTESTANTS)}); those not "
-                      "named are not run")
-  parser.add_argument("--seeds", default=",".join(map(str, SEEDS)),
-                      help="comma-separated seeds, each lr runs with each")
-  parser.add_argument("--max-extensions", type=int, default=MAX_EXTENSIONS,
-                      help="how many times a sweep may extend past its edge")
-  parser.add_argument("--fresh", action="store_true",
-                      help="rerun every run, even finished ones")
+  parser.add_argument(
+    "--lrs",
+    nargs="+",
+    metavar="CONTESTANT=LR,LR",
+    help="the starting sweeps, e.g. adam=2e-3,4e-3 muon=4e-3 "
+    f"(contestants: {', '.join(CONTESTANTS)}); those not "
+    "named are not run",
+  )
+  parser.add_argument(
+    "--seeds",
+    default=",".join(map(str, SEEDS)),
+    help="comma-separated seeds, each lr runs with each",
+  )
+  parser.add_argument(
+    "--max-extensions",
+    type=int,
+    default=MAX_EXTENSIONS,
+    help="how many times a sweep may extend past its edge",
+  )
+  parser.add_argument(
+    "--fresh", action="store_true", help="rerun every run, even finished ones"
+  )
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.WARNING)
   try:
     sweeps = parse_lrs(args.lrs, CONTESTANTS) if args.lrs else None
     seeds = tuple(int(seed) for seed in args.seeds.split(","))
-    summary = compare(args.overrides, sweeps=sweeps, out=args.out,
-                      reuse=not args.fresh, seeds=seeds,
-                      max_extensions=args.max_extensions)
+    summary = compare(
+      args.overrides,
+      sweeps=sweeps,
+      out=args.out,
+      reuse=not args.fresh,
+      seeds=seeds,
+      max_extensions=args.max_extensions,
+    )
   except ValueError as error:
     parser.exit(2, f"{parser.prog}: error: {error}\n")
   for name, run in summary["best"].items():
     edge = "" if run["bracketed"] else " (at the edge of its sweep)"
-    print(f"{LABELS[name]}: final val loss {run['final_val_loss']:.4f}, mean "
-          f"of {len(run['seeds'])} seeds (best lr {run['lr']:g}{edge})")
+    print(
+      f"{LABELS[name]}: final val loss {run['final_val_loss']:.4f}, mean "
+      f"of {len(run['seeds'])} seeds (best lr {run['lr']:g}{edge})"
+    )
   for name, ratios in summary.get("vs_adam", {}).items():
     if ratios["reaches_it"]:
-      print(f"{LABELS[name]} reaches AdamW's final val loss in "
-            f"{ratios['step_ratio']:.0%} of its steps and "
-            f"{ratios['flop_ratio']:.0%} of its FLOPs")
+      print(
+        f"{LABELS[name]} reaches AdamW's final val loss in "
+        f"{ratios['step_ratio']:.0%} of its steps and "
+        f"{ratios['flop_ratio']:.0%} of its FLOPs"
+      )
     else:
       print(f"{LABELS[name]} does not reach AdamW's final val loss")
   return summary

@@ -8,10 +8,10 @@ An override line has three sections: ``model.*`` (``GPTConfig``), ``train.*``
 
 import dataclasses
 
-from optax_muon.config import MuonConfig, parse_fields, split_overrides
-
 from examples.flax_lm.model import GPTConfig
-
+from optax_muon.config import MuonConfig
+from optax_muon.config import parse_fields
+from optax_muon.config import split_overrides
 
 MUON_IMPLS = ("optax_muon", "optax.contrib")
 
@@ -20,8 +20,9 @@ def check_at_least(section: str, config, minimum: float, names) -> None:
   """Raises naming ``section.name`` for the first field below ``minimum``."""
   for name in names:
     if getattr(config, name) < minimum:
-      raise ValueError(f"{section}.{name}={getattr(config, name)} must be "
-                       f">= {minimum}")
+      raise ValueError(
+        f"{section}.{name}={getattr(config, name)} must be >= {minimum}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,37 +47,61 @@ class TrainConfig:
 
   def __post_init__(self):
     if self.muon_impl not in MUON_IMPLS:
-      raise ValueError(f"train.muon_impl={self.muon_impl!r} is not accepted; "
-                       f"accepted values: {list(MUON_IMPLS)}")
-    check_at_least("train", self, 1, (
-        "steps", "batch_size", "eval_every", "eval_batches", "log_every",
-        "keep_checkpoints", "max_bytes"))
+      raise ValueError(
+        f"train.muon_impl={self.muon_impl!r} is not accepted; "
+        f"accepted values: {list(MUON_IMPLS)}"
+      )
+    check_at_least(
+      "train",
+      self,
+      1,
+      (
+        "steps",
+        "batch_size",
+        "eval_every",
+        "eval_batches",
+        "log_every",
+        "keep_checkpoints",
+        "max_bytes",
+      ),
+    )
     if not 0 <= self.warmup_steps < self.steps:
-      raise ValueError(f"train.warmup_steps={self.warmup_steps} must be in "
-                       f"[0, train.steps={self.steps})")
+      raise ValueError(
+        f"train.warmup_steps={self.warmup_steps} must be in "
+        f"[0, train.steps={self.steps})"
+      )
     if self.checkpoint_every < 0:
-      raise ValueError(f"train.checkpoint_every={self.checkpoint_every} must "
-                       "be >= 0 (0: only at the end)")
+      raise ValueError(
+        f"train.checkpoint_every={self.checkpoint_every} must "
+        "be >= 0 (0: only at the end)"
+      )
 
 
 PRESETS = {
-    # < 3 minutes for both optimizers on 2 CPU cores
-    "tiny": {"model": dict(n_layer=2, n_embd=64, n_head=4, block_size=64),
-             "train": dict(steps=200, batch_size=16, warmup_steps=20,
-                           eval_every=50),
-             "optim": dict(lr=3e-3)},
-    # 1.9M parameters; ~0.45 s a step on 2 CPU cores
-    "small": {"model": dict(n_layer=4, n_embd=192, n_head=6, block_size=128),
-              "train": dict(steps=600, batch_size=16, warmup_steps=50,
-                            eval_every=50, eval_batches=8),
-              "optim": dict(lr=4e-3)},
+  # < 3 minutes for both optimizers on 2 CPU cores
+  "tiny": {
+    "model": dict(n_layer=2, n_embd=64, n_head=4, block_size=64),
+    "train": dict(steps=200, batch_size=16, warmup_steps=20, eval_every=50),
+    "optim": dict(lr=3e-3),
+  },
+  # 1.9M parameters; ~0.45 s a step on 2 CPU cores
+  "small": {
+    "model": dict(n_layer=4, n_embd=192, n_head=6, block_size=128),
+    "train": dict(
+      steps=600, batch_size=16, warmup_steps=50, eval_every=50, eval_batches=8
+    ),
+    "optim": dict(lr=4e-3),
+  },
 }
 
 # what the example changes from verl's fine-tuning defaults for pre-training;
 # the muon_* ones only for Muon runs (an AdamW config setting them warns)
 EXAMPLE_OPTIM = dict(weight_decay=0.1)
-EXAMPLE_MUON = dict(muon_match_adamw_update_rms=True, muon_nesterov=True,
-                    muon_fp32_matmul_prec="highest")
+EXAMPLE_MUON = dict(
+  muon_match_adamw_update_rms=True,
+  muon_nesterov=True,
+  muon_fp32_matmul_prec="highest",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +113,12 @@ class RunConfig:
 
   def __post_init__(self):
     if self.train.muon_impl != "optax_muon" and (
-        self.optim.optimizer != "muon" or self.optim.qk_clip):
+      self.optim.optimizer != "muon" or self.optim.qk_clip
+    ):
       raise ValueError(
-          f"train.muon_impl={self.train.muon_impl!r} needs "
-          "optim.optimizer=muon and no optim.qk_clip")
+        f"train.muon_impl={self.train.muon_impl!r} needs "
+        "optim.optimizer=muon and no optim.qk_clip"
+      )
 
   @property
   def name(self) -> str:
@@ -102,8 +129,13 @@ class RunConfig:
     return self.train.out_dir or f"runs/{self.name}"
 
 
-def parse_sections(overrides, presets: dict, classes: dict, optim_defaults: dict,
-                   muon_defaults: dict) -> tuple[str, dict]:
+def parse_sections(
+  overrides,
+  presets: dict,
+  classes: dict,
+  optim_defaults: dict,
+  muon_defaults: dict,
+) -> tuple[str, dict]:
   """``(preset, {section: instance})`` from ``preset=...`` and
   ``section.field=value`` overrides over ``presets[preset]``.
 
@@ -116,8 +148,9 @@ def parse_sections(overrides, presets: dict, classes: dict, optim_defaults: dict
   values = split_overrides(overrides)
   preset = values.pop("preset", next(iter(presets)))
   if preset not in presets:
-    raise ValueError(f"preset={preset!r} is not accepted; accepted values: "
-                     f"{list(presets)}")
+    raise ValueError(
+      f"preset={preset!r} is not accepted; accepted values: {list(presets)}"
+    )
   sections = {name: {} for name in classes}
   for section, fields in presets[preset].items():
     if section != "optim":
@@ -128,9 +161,11 @@ def parse_sections(overrides, presets: dict, classes: dict, optim_defaults: dict
     if section in classes:
       sections[section][field] = value
     elif "." not in key:
-      raise ValueError(f"override {key!r} names no section; accepted: preset, "
-                       + ", ".join(f"{name}.*" for name in classes)
-                       + ", optim.* (or a verl path)")
+      raise ValueError(
+        f"override {key!r} names no section; accepted: preset, "
+        + ", ".join(f"{name}.*" for name in classes)
+        + ", optim.* (or a verl path)"
+      )
     else:
       optim[key] = value
   # typed, and a field given under two verl prefixes raises
@@ -138,8 +173,10 @@ def parse_sections(overrides, presets: dict, classes: dict, optim_defaults: dict
   defaults = dict(optim_defaults, **presets[preset].get("optim", {}))
   if optim.get("optimizer", defaults.get("optimizer")) == "muon":
     defaults.update(muon_defaults)
-  built = {name: cls(**parse_fields(cls, sections[name]))
-           for name, cls in classes.items()}
+  built = {
+    name: cls(**parse_fields(cls, sections[name]))
+    for name, cls in classes.items()
+  }
   built["optim"] = MuonConfig.from_dict(defaults | optim)
   return preset, built
 
@@ -149,6 +186,10 @@ def run_config(overrides=()) -> RunConfig:
   overrides applied; any dotted path ending in a ``MuonConfig`` field (verl's
   ``actor_rollout_ref.actor.optim.lr``) goes to ``optim``."""
   preset, sections = parse_sections(
-      overrides, PRESETS, {"model": GPTConfig, "train": TrainConfig},
-      EXAMPLE_OPTIM, EXAMPLE_MUON)
+    overrides,
+    PRESETS,
+    {"model": GPTConfig, "train": TrainConfig},
+    EXAMPLE_OPTIM,
+    EXAMPLE_MUON,
+  )
   return RunConfig(preset=preset, **sections)

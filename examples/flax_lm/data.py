@@ -12,7 +12,6 @@ import sysconfig
 
 import numpy as np
 
-
 _SKIPPED_FOLDERS = ("site-packages", "dist-packages", "__pycache__")
 
 
@@ -30,8 +29,9 @@ def text_files(path: pathlib.Path) -> list[pathlib.Path]:
   files = []
   for root, dirs, names in os.walk(path):
     dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_FOLDERS)
-    files += [pathlib.Path(root, n) for n in names
-              if n.endswith((".py", ".txt", ".md"))]
+    files += [
+      pathlib.Path(root, n) for n in names if n.endswith((".py", ".txt", ".md"))
+    ]
   files.sort()
   if not files:
     raise ValueError(f"data path {str(path)!r} holds no .py, .txt or .md files")
@@ -41,8 +41,9 @@ def text_files(path: pathlib.Path) -> list[pathlib.Path]:
 class ByteCorpus:
   """Train and validation byte arrays with deterministic batches."""
 
-  def __init__(self, path=None, *, max_bytes: int = 8_000_000,
-               val_every: int = 10):
+  def __init__(
+    self, path=None, *, max_bytes: int = 8_000_000, val_every: int = 10
+  ):
     files = text_files(path or stdlib_path())
     train, val, size = [], [], 0
     for i, file in enumerate(files):
@@ -58,19 +59,25 @@ class ByteCorpus:
     self.train = np.frombuffer(b"\n".join(train), np.uint8)
     self.val = np.frombuffer(b"\n".join(val), np.uint8)
     if len(self.train) < 2 or len(self.val) < 2:
-      raise ValueError(f"data path {str(path or stdlib_path())!r} holds too "
-                       "little text to train on")
+      raise ValueError(
+        f"data path {str(path or stdlib_path())!r} holds too "
+        "little text to train on"
+      )
     self.files = len(files)
 
-  def batch(self, split: str, step: int, batch_size: int, block_size: int,
-            seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  def batch(
+    self, split: str, step: int, batch_size: int, block_size: int, seed: int = 0
+  ) -> tuple[np.ndarray, np.ndarray]:
     """``(inputs, targets)``, both ``(batch_size, block_size)`` int32."""
     data = self.train if split == "train" else self.val
     if len(data) <= block_size + 1:
-      raise ValueError(f"{split} text ({len(data)} bytes) is shorter than "
-                       f"block_size={block_size}")
+      raise ValueError(
+        f"{split} text ({len(data)} bytes) is shorter than "
+        f"block_size={block_size}"
+      )
     rng = np.random.default_rng([seed, step, split == "val"])
     starts = rng.integers(0, len(data) - block_size - 1, batch_size)
-    windows = np.stack([data[s:s + block_size + 1] for s in starts]).astype(
-        np.int32)
+    windows = np.stack([data[s : s + block_size + 1] for s in starts]).astype(
+      np.int32
+    )
     return windows[:, :-1], windows[:, 1:]

@@ -23,28 +23,51 @@ def free_port() -> int:
     return sock.getsockname()[1]
 
 
-def start(num_processes: int, train_args, local_devices: int | None = None,
-          port: int | None = None, environ=None,
-          **popen) -> list[subprocess.Popen]:
+def start(
+  num_processes: int,
+  train_args,
+  local_devices: int | None = None,
+  port: int | None = None,
+  environ=None,
+  **popen,
+) -> list[subprocess.Popen]:
   """The N ``examples.flax_lm.train`` processes, started (``environ``:
   their environment, default this one's; ``popen``: ``subprocess.Popen``'s)."""
   port = port or free_port()
   local_devices = local_devices or max(8 // num_processes, 1)
   environ = os.environ if environ is None else environ
-  env = dict(environ, JAX_PLATFORMS=environ.get("JAX_PLATFORMS", "cpu"),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}")
-  return [subprocess.Popen(
-      [sys.executable, "-m", "examples.flax_lm.train", *train_args,
-       "--num-processes", str(num_processes), "--process-id", str(i),
-       "--coordinator", f"localhost:{port}"], env=env, **popen)
-          for i in range(num_processes)]
+  env = dict(
+    environ,
+    JAX_PLATFORMS=environ.get("JAX_PLATFORMS", "cpu"),
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}",
+  )
+  return [
+    subprocess.Popen(
+      [
+        sys.executable,
+        "-m",
+        "examples.flax_lm.train",
+        *train_args,
+        "--num-processes",
+        str(num_processes),
+        "--process-id",
+        str(i),
+        "--coordinator",
+        f"localhost:{port}",
+      ],
+      env=env,
+      **popen,
+    )
+    for i in range(num_processes)
+  ]
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("num_processes", type=int)
-  parser.add_argument("--local-devices", type=int,
-                      help="CPU devices per process (default 8 / N)")
+  parser.add_argument(
+    "--local-devices", type=int, help="CPU devices per process (default 8 / N)"
+  )
   args, train_args = parser.parse_known_args(argv)
   if args.num_processes < 1:
     parser.error(f"num_processes={args.num_processes} must be >= 1")

@@ -52,29 +52,45 @@ class GPTConfig:
   def cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
     """``(heads, width)`` of the cached keys and of the cached values."""
     if self.attention == "mla":
-      return ((self.n_head, self.qk_nope_head_dim + self.qk_rope_head_dim),
-              (self.n_head, self.v_head_dim))
+      return (
+        (self.n_head, self.qk_nope_head_dim + self.qk_rope_head_dim),
+        (self.n_head, self.v_head_dim),
+      )
     return (self.kv_heads, self.head_dim), (self.kv_heads, self.head_dim)
 
   def __post_init__(self):
-    for name, accepted in (("attention", ("gqa", "mla")),
-                           ("mlp", ("gelu", "swiglu"))):
+    for name, accepted in (
+      ("attention", ("gqa", "mla")),
+      ("mlp", ("gelu", "swiglu")),
+    ):
       if getattr(self, name) not in accepted:
-        raise ValueError(f"model.{name}={getattr(self, name)!r} is not "
-                         f"accepted; accepted values: {list(accepted)}")
-    for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                 "v_head_dim"):
+        raise ValueError(
+          f"model.{name}={getattr(self, name)!r} is not "
+          f"accepted; accepted values: {list(accepted)}"
+        )
+    for name in (
+      "q_lora_rank",
+      "kv_lora_rank",
+      "qk_nope_head_dim",
+      "v_head_dim",
+    ):
       if getattr(self, name) < 1:
         raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
     if self.qk_rope_head_dim < 0 or self.qk_rope_head_dim % 2:
-      raise ValueError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must "
-                       "be even and >= 0 (rotary pairs)")
+      raise ValueError(
+        f"model.qk_rope_head_dim={self.qk_rope_head_dim} must "
+        "be even and >= 0 (rotary pairs)"
+      )
     if self.n_embd % self.n_head:
-      raise ValueError(f"model.n_embd={self.n_embd} must be a multiple of "
-                       f"model.n_head={self.n_head}")
+      raise ValueError(
+        f"model.n_embd={self.n_embd} must be a multiple of "
+        f"model.n_head={self.n_head}"
+      )
     if self.n_head % self.kv_heads:
-      raise ValueError(f"model.n_kv_head={self.kv_heads} must divide "
-                       f"model.n_head={self.n_head}")
+      raise ValueError(
+        f"model.n_kv_head={self.kv_heads} must divide "
+        f"model.n_head={self.n_head}"
+      )
 
 
 # Megatron's tensor parallelism on a (data, model) mesh: QKV and the MLP's
@@ -89,8 +105,14 @@ def _dense(n_in, n_out, rngs, use_bias=True, sharding=None):
   if sharding is not None:
     kernel_init = nnx.with_partitioning(kernel_init, sharding)
     bias_init = nnx.with_partitioning(bias_init, (sharding[1],))
-  return nnx.Linear(n_in, n_out, use_bias=use_bias, kernel_init=kernel_init,
-                    bias_init=bias_init, rngs=rngs)
+  return nnx.Linear(
+    n_in,
+    n_out,
+    use_bias=use_bias,
+    kernel_init=kernel_init,
+    bias_init=bias_init,
+    rngs=rngs,
+  )
 
 
 class _CausalAttention(nnx.Module):
@@ -113,17 +135,21 @@ class _CausalAttention(nnx.Module):
 
   def __call__(self, x):
     t = x.shape[1]
-    return self._attend(*self._project(x, jnp.arange(t)),
-                        jnp.tril(jnp.ones((t, t), bool)))
+    return self._attend(
+      *self._project(x, jnp.arange(t)), jnp.tril(jnp.ones((t, t), bool))
+    )
 
   def decode(self, x, cache, position):
     """``x`` at positions ``position, position + 1, ...`` attending over the
     keys and values cached before them; ``(out, max_logits, cache)``."""
     queries_at = position + jnp.arange(x.shape[1])
     q, k, v = self._project(x, queries_at)
-    keys, values = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype),
-                                                        position, axis=1)
-                    for c, new in zip(cache, (k, v)))
+    keys, values = (
+      jax.lax.dynamic_update_slice_in_dim(
+        c, new.astype(c.dtype), position, axis=1
+      )
+      for c, new in zip(cache, (k, v))
+    )
     visible = jnp.arange(keys.shape[1])[None, :] <= queries_at[:, None]
     out, max_logits = self._attend(q, keys, values, visible)
     return out, max_logits, (keys, values)
@@ -137,8 +163,9 @@ class Attention(_CausalAttention):
     d, hd = cfg.n_embd, cfg.head_dim
     if cfg.fused_qkv:
       # Megatron's grouped layout: per KV group [q_g | k_g | v_g].
-      self.qkv = _dense(d, (cfg.n_head + 2 * cfg.kv_heads) * hd, rngs, False,
-                        COLUMN)
+      self.qkv = _dense(
+        d, (cfg.n_head + 2 * cfg.kv_heads) * hd, rngs, False, COLUMN
+      )
     else:
       self.query = _dense(d, cfg.n_head * hd, rngs, False, COLUMN)
       self.key = _dense(d, cfg.kv_heads * hd, rngs, False, COLUMN)
@@ -154,13 +181,15 @@ class Attention(_CausalAttention):
     if cfg.fused_qkv:
       per_group = cfg.n_head // groups
       qkv = self.qkv(x).reshape(b, t, groups, (per_group + 2) * hd)
-      q = qkv[..., :per_group * hd].reshape(b, t, cfg.n_head, hd)
-      k = qkv[..., per_group * hd:(per_group + 1) * hd]
-      v = qkv[..., (per_group + 1) * hd:]
+      q = qkv[..., : per_group * hd].reshape(b, t, cfg.n_head, hd)
+      k = qkv[..., per_group * hd : (per_group + 1) * hd]
+      v = qkv[..., (per_group + 1) * hd :]
       return q, k, v
-    return (self.query(x).reshape(b, t, cfg.n_head, hd),
-            self.key(x).reshape(b, t, groups, hd),
-            self.value(x).reshape(b, t, groups, hd))
+    return (
+      self.query(x).reshape(b, t, cfg.n_head, hd),
+      self.key(x).reshape(b, t, groups, hd),
+      self.value(x).reshape(b, t, groups, hd),
+    )
 
 
 def rotary(x, positions):
@@ -193,8 +222,9 @@ class LatentAttention(_CausalAttention):
     self.wq_b = _dense(cfg.q_lora_rank, h * (nope + rope), rngs, False, COLUMN)
     self.wkv_a = _dense(d, cfg.kv_lora_rank + rope, rngs, False)
     self.kv_norm = nnx.RMSNorm(cfg.kv_lora_rank, rngs=rngs)
-    self.wkv_b = _dense(cfg.kv_lora_rank, h * (nope + cfg.v_head_dim), rngs,
-                        False, COLUMN)
+    self.wkv_b = _dense(
+      cfg.kv_lora_rank, h * (nope + cfg.v_head_dim), rngs, False, COLUMN
+    )
     self.proj = _dense(h * cfg.v_head_dim, d, rngs, False, ROW)
 
   def _project(self, x, positions):
@@ -205,16 +235,20 @@ class LatentAttention(_CausalAttention):
     q = self.wq_b(self.q_norm(self.wq_a(x))).reshape(b, t, h, -1)
     q = jnp.concatenate([q[..., :nope], rotary(q[..., nope:], positions)], -1)
     latent = self.wkv_a(x)
-    k_rope = rotary(latent[..., cfg.kv_lora_rank:], positions)  # (b, t, rope)
-    kv = self.wkv_b(self.kv_norm(latent[..., :cfg.kv_lora_rank]))
+    k_rope = rotary(latent[..., cfg.kv_lora_rank :], positions)  # (b, t, rope)
+    kv = self.wkv_b(self.kv_norm(latent[..., : cfg.kv_lora_rank]))
     kv = kv.reshape(b, t, h, -1)
-    k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(
-        k_rope[:, :, None], (b, t, h, cfg.qk_rope_head_dim))], -1)
+    k = jnp.concatenate(
+      [
+        kv[..., :nope],
+        jnp.broadcast_to(k_rope[:, :, None], (b, t, h, cfg.qk_rope_head_dim)),
+      ],
+      -1,
+    )
     return q, k, kv[..., nope:]
 
 
 class MLP(nnx.Module):
-
   def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
     self.fc = _dense(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, rngs, True, COLUMN)
     self.proj = _dense(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd, rngs, True, ROW)
@@ -242,8 +276,9 @@ class Experts(nnx.Module):
 
   def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
     d, h, e = cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, cfg.n_experts
-    init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1,
-                                         batch_axis=(0,))
+    init = nnx.initializers.lecun_normal(
+      in_axis=-2, out_axis=-1, batch_axis=(0,)
+    )
     self.router = _dense(d, e, rngs, False)
     self.fc = nnx.Param(init(rngs.params(), (e, d, h)))
     self.proj = nnx.Param(init(rngs.params(), (e, h, d)))
@@ -256,12 +291,12 @@ class Experts(nnx.Module):
 
 
 class Block(nnx.Module):
-
   def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.ln1 = nnx.LayerNorm(cfg.n_embd, rngs=rngs)
     self.attn = (LatentAttention if cfg.attention == "mla" else Attention)(
-        cfg, rngs)
+      cfg, rngs
+    )
     self.ln2 = nnx.LayerNorm(cfg.n_embd, rngs=rngs)
     # "experts" names the MoE so that layout inference reads its free expert
     # axis (btd,edh->bteh) as a batch axis (optax_muon.infer_layout)
@@ -301,11 +336,14 @@ class GPT(nnx.Module):
     self.wte = nnx.Embed(cfg.vocab_size, cfg.n_embd, rngs=rngs)
     self.wpe = nnx.Embed(cfg.block_size, cfg.n_embd, rngs=rngs)
     if cfg.scan_layers:
+
       @nnx.split_rngs(splits=cfg.n_layer)
-      @nnx.vmap(in_axes=(0,), out_axes=0,
-                transform_metadata={nnx.PARTITION_NAME: None})
+      @nnx.vmap(
+        in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None}
+      )
       def stacked_blocks(rngs):
         return Block(cfg, rngs)
+
       self.blocks = stacked_blocks(rngs)
     else:
       self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layer)])
@@ -320,9 +358,11 @@ class GPT(nnx.Module):
     largest attention logit per head, ``(n_layer, n_head)``."""
     x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[-1]))
     if self.cfg.scan_layers:
+
       @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
       def run(x, block):
         return block(x)
+
       x, max_logits = run(x, self.blocks)
     else:
       per_layer = []
@@ -339,10 +379,11 @@ class GPT(nnx.Module):
     cfg = self.cfg
     shapes = [(batch, length) + dims for dims in cfg.cache_dims]
     if cfg.scan_layers:
-      return tuple(jnp.zeros((cfg.n_layer,) + shape, dtype)
-                   for shape in shapes)
-    return [tuple(jnp.zeros(shape, dtype) for shape in shapes)
-            for _ in range(cfg.n_layer)]
+      return tuple(jnp.zeros((cfg.n_layer,) + shape, dtype) for shape in shapes)
+    return [
+      tuple(jnp.zeros(shape, dtype) for shape in shapes)
+      for _ in range(cfg.n_layer)
+    ]
 
   def decode(self, tokens, cache, position):
     """``forward`` for ``tokens`` ``(batch, t)`` placed at positions
@@ -351,10 +392,12 @@ class GPT(nnx.Module):
     (the prefill), then one token at a time."""
     x = self.wte(tokens) + self.wpe(position + jnp.arange(tokens.shape[-1]))
     if self.cfg.scan_layers:
+
       @nnx.scan(in_axes=(nnx.Carry, 0, 0, None), out_axes=(nnx.Carry, 0))
       def run(x, block, layer_cache, position):
         x, _, layer_cache = block.decode(x, layer_cache, position)
         return x, layer_cache
+
       x, cache = run(x, self.blocks, cache, position)
     else:
       updated = []

@@ -26,8 +26,11 @@ DEMO = ["optim.optimizer=muon", "optim.lr=0.1", "train.log_every=1"]
 
 
 def _records(run_dir: pathlib.Path) -> list[dict]:
-  return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text()
-          .splitlines() if l.strip()]
+  return [
+    json.loads(l)
+    for l in (run_dir / "metrics.jsonl").read_text().splitlines()
+    if l.strip()
+  ]
 
 
 def max_logit(record: dict) -> float:
@@ -35,26 +38,31 @@ def max_logit(record: dict) -> float:
 
 
 def summarize(records: list[dict], threshold: float) -> dict:
-  tail = records[-max(1, len(records) // 4):]
-  return {"max_logit": max(map(max_logit, records)),
-          "max_logit_last_quarter": max(map(max_logit, tail)),
-          "steps_above_threshold": sum(max_logit(r) > threshold
-                                       for r in records),
-          "final_val_loss": [r for r in records if "val_loss" in r][-1][
-              "val_loss"]}
+  tail = records[-max(1, len(records) // 4) :]
+  return {
+    "max_logit": max(map(max_logit, records)),
+    "max_logit_last_quarter": max(map(max_logit, tail)),
+    "steps_above_threshold": sum(max_logit(r) > threshold for r in records),
+    "final_val_loss": [r for r in records if "val_loss" in r][-1]["val_loss"],
+  }
 
 
 def plot(runs: dict, threshold: float, path: pathlib.Path) -> None:
   import matplotlib  # pylint: disable=import-outside-toplevel
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
   fig, (top, bottom) = plt.subplots(1, 2, figsize=(11, 4))
   for name, records in runs.items():
     steps = [r["step"] for r in records]
     top.plot(steps, [max_logit(r) for r in records], label=name)
-    bottom.plot(steps, [r["train_loss"] for r in records], label=name,
-                alpha=0.8)
-  top.axhline(threshold, color="gray", linestyle="--", label=f"τ = {threshold:g}")
+    bottom.plot(
+      steps, [r["train_loss"] for r in records], label=name, alpha=0.8
+    )
+  top.axhline(
+    threshold, color="gray", linestyle="--", label=f"τ = {threshold:g}"
+  )
   top.set_yscale("log")
   top.set_ylabel("max attention logit of the step")
   bottom.set_ylabel("train loss (nats / byte)")
@@ -74,15 +82,20 @@ def demo(overrides=(), out="results/qk_clip") -> dict:
     short = "clip" if clip == "true" else "plain"
     run_dir = out / "runs" / short
     shutil.rmtree(run_dir, ignore_errors=True)
-    cfg = config_lib.run_config(DEMO + list(overrides) + [
-        f"optim.qk_clip={clip}", f"train.out_dir={run_dir}"])
+    cfg = config_lib.run_config(
+      DEMO
+      + list(overrides)
+      + [f"optim.qk_clip={clip}", f"train.out_dir={run_dir}"]
+    )
     train_lib.train(cfg)
     shutil.copy(run_dir / "metrics.jsonl", out / f"{short}.jsonl")
     runs[name] = _records(run_dir)
     summary[name] = summarize(runs[name], cfg.optim.qk_clip_threshold)
   threshold = cfg.optim.qk_clip_threshold
-  summary["settings"] = {"overrides": DEMO + list(overrides),
-                         "qk_clip_threshold": threshold}
+  summary["settings"] = {
+    "overrides": DEMO + list(overrides),
+    "qk_clip_threshold": threshold,
+  }
   (out / "summary.json").write_text(json.dumps(summary, indent=1))
   plot(runs, threshold, out / "qk_clip.png")
   return summary
@@ -96,9 +109,11 @@ def main(argv=None):
   summary = demo(args.overrides, args.out)
   for name in ("without QK-clip", "with QK-clip"):
     run = summary[name]
-    print(f"{name:16s} max logit {run['max_logit']:8.1f} (last quarter "
-          f"{run['max_logit_last_quarter']:.1f}), final val loss "
-          f"{run['final_val_loss']:.4f}")
+    print(
+      f"{name:16s} max logit {run['max_logit']:8.1f} (last quarter "
+      f"{run['max_logit_last_quarter']:.1f}), final val loss "
+      f"{run['final_val_loss']:.4f}"
+    )
 
 
 if __name__ == "__main__":

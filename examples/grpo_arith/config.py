@@ -10,11 +10,11 @@ verl's ``actor_rollout_ref.actor.optim.lr=...`` works as it is)::
 
 import dataclasses
 
-from optax_muon import MuonConfig
-
-from examples.flax_lm.config import (EXAMPLE_MUON, check_at_least,
-                                     parse_sections)
+from examples.flax_lm.config import EXAMPLE_MUON
+from examples.flax_lm.config import check_at_least
+from examples.flax_lm.config import parse_sections
 from examples.flax_lm.model import GPTConfig
+from optax_muon import MuonConfig
 
 REWARDS = ("shaped", "strict")
 SFT_OPTIMIZERS = ("adam", "muon")
@@ -24,6 +24,7 @@ SFT_OPTIMIZERS = ("adam", "muon")
 class SFTConfig:
   """The supervised warm start on worked solutions (the same for every GRPO
   run of a seed, whatever ``optim`` says, so that runs start alike)."""
+
   steps: int = 400
   batch_size: int = 32
   lr: float = 3e-3
@@ -32,8 +33,10 @@ class SFTConfig:
 
   def __post_init__(self):
     if self.optimizer not in SFT_OPTIMIZERS:
-      raise ValueError(f"sft.optimizer={self.optimizer!r} is not accepted; "
-                       f"accepted values: {list(SFT_OPTIMIZERS)}")
+      raise ValueError(
+        f"sft.optimizer={self.optimizer!r} is not accepted; "
+        f"accepted values: {list(SFT_OPTIMIZERS)}"
+      )
     check_at_least("sft", self, 1, ("steps", "batch_size"))
     check_at_least("sft", self, 0, ("lr", "warmup_steps"))
 
@@ -41,6 +44,7 @@ class SFTConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """The task, the GRPO objective, its schedule, evaluation and recovery."""
+
   name: str | None = None  # default: "<preset>-<optimizer>-<reward>"
   out_dir: str | None = None  # default: runs/grpo/<name>
   sft_dir: str | None = None  # default: <out_dir>/sft; reused when it matches
@@ -69,15 +73,29 @@ class TrainConfig:
 
   def __post_init__(self):
     if self.reward not in REWARDS:
-      raise ValueError(f"train.reward={self.reward!r} is not accepted; "
-                       f"accepted values: {list(REWARDS)}")
-    check_at_least("train", self, 1, (
-        "prompt_width", "completion_len", "test_problems", "steps",
-        "prompts_per_step", "eval_every", "reward_window",
-        "rollback_patience"))
+      raise ValueError(
+        f"train.reward={self.reward!r} is not accepted; "
+        f"accepted values: {list(REWARDS)}"
+      )
+    check_at_least(
+      "train",
+      self,
+      1,
+      (
+        "prompt_width",
+        "completion_len",
+        "test_problems",
+        "steps",
+        "prompts_per_step",
+        "eval_every",
+        "reward_window",
+        "rollback_patience",
+      ),
+    )
     check_at_least("train", self, 2, ("group_size",))
-    check_at_least("train", self, 0, ("kl_coef", "clip_ratio",
-                                       "warmup_steps", "lr_decay"))
+    check_at_least(
+      "train", self, 0, ("kl_coef", "clip_ratio", "warmup_steps", "lr_decay")
+    )
     if self.temperature <= 0:  # sampling; evaluation is greedy anyway
       raise ValueError(f"train.temperature={self.temperature} must be > 0")
     if not all(1 <= level <= 6 for level in self.levels):
@@ -85,13 +103,17 @@ class TrainConfig:
 
 
 PRESETS = {
-    # SFT + GRPO in under 10 minutes on 2 CPU cores
-    "tiny": {"model": dict(n_layer=2, n_embd=96, n_head=4, block_size=152),
-             "sft": dict(steps=400),
-             "train": dict(steps=120)},
-    "small": {"model": dict(n_layer=4, n_embd=128, n_head=4, block_size=152),
-              "sft": dict(steps=800),
-              "train": dict(steps=300, test_problems=512)},
+  # SFT + GRPO in under 10 minutes on 2 CPU cores
+  "tiny": {
+    "model": dict(n_layer=2, n_embd=96, n_head=4, block_size=152),
+    "sft": dict(steps=400),
+    "train": dict(steps=120),
+  },
+  "small": {
+    "model": dict(n_layer=4, n_embd=128, n_head=4, block_size=152),
+    "sft": dict(steps=800),
+    "train": dict(steps=300, test_problems=512),
+  },
 }
 
 # what the example changes from verl's fine-tuning defaults (lr 2e-4 is both
@@ -112,13 +134,16 @@ class RunConfig:
     needed = self.train.prompt_width + self.train.completion_len
     if self.model.block_size < needed:
       raise ValueError(
-          f"model.block_size={self.model.block_size} must be >= "
-          f"train.prompt_width + train.completion_len = {needed}")
+        f"model.block_size={self.model.block_size} must be >= "
+        f"train.prompt_width + train.completion_len = {needed}"
+      )
 
   @property
   def name(self) -> str:
-    return (self.train.name or
-            f"{self.preset}-{self.optim.optimizer}-{self.train.reward}")
+    return (
+      self.train.name
+      or f"{self.preset}-{self.optim.optimizer}-{self.train.reward}"
+    )
 
   @property
   def out_dir(self) -> str:
@@ -134,7 +159,10 @@ def run_config(overrides=()) -> RunConfig:
   overrides applied; other dotted paths ending in a ``MuonConfig`` field go
   to ``optim``."""
   preset, sections = parse_sections(
-      overrides, PRESETS,
-      {"model": GPTConfig, "sft": SFTConfig, "train": TrainConfig},
-      EXAMPLE_OPTIM, EXAMPLE_MUON)
+    overrides,
+    PRESETS,
+    {"model": GPTConfig, "sft": SFTConfig, "train": TrainConfig},
+    EXAMPLE_OPTIM,
+    EXAMPLE_MUON,
+  )
   return RunConfig(preset=preset, **sections)

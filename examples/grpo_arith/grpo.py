@@ -37,8 +37,16 @@ def kl_to_reference(logprobs, reference_logprobs):
   return jnp.exp(delta) - delta - 1.0
 
 
-def grpo_loss(logprobs, old_logprobs, reference_logprobs, advantages, mask, *,
-              clip_ratio: float, kl_coef: float):
+def grpo_loss(
+  logprobs,
+  old_logprobs,
+  reference_logprobs,
+  advantages,
+  mask,
+  *,
+  clip_ratio: float,
+  kl_coef: float,
+):
   """``(loss, metrics)`` of the module docstring's objective.
 
   Args:
@@ -59,9 +67,12 @@ def grpo_loss(logprobs, old_logprobs, reference_logprobs, advantages, mask, *,
   lengths = jnp.maximum(mask.sum(axis=-1), 1.0)
   per_sequence = lambda x: (x * mask).sum(axis=-1) / lengths
   loss = per_sequence(per_token).mean()
-  metrics = {"kl": per_sequence(kl).mean(),
-             "clip_fraction": per_sequence(
-                 (jnp.abs(ratio - 1.0) > clip_ratio).astype(jnp.float32)).mean()}
+  metrics = {
+    "kl": per_sequence(kl).mean(),
+    "clip_fraction": per_sequence(
+      (jnp.abs(ratio - 1.0) > clip_ratio).astype(jnp.float32)
+    ).mean(),
+  }
   return loss, metrics
 
 

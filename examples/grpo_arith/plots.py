@@ -5,8 +5,11 @@ import pathlib
 
 
 def read(path) -> list[dict]:
-  return [json.loads(line) for line in pathlib.Path(path).read_text()
-          .splitlines() if line.strip()]
+  return [
+    json.loads(line)
+    for line in pathlib.Path(path).read_text().splitlines()
+    if line.strip()
+  ]
 
 
 def _series(records, key):
@@ -16,8 +19,10 @@ def _series(records, key):
 
 def _pyplot():
   import matplotlib  # pylint: disable=import-outside-toplevel
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
   return plt
 
 
@@ -29,22 +34,39 @@ def plot_run(metrics_path, png_path, title: str) -> None:
   records = read(metrics_path)
   fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
   panels = [
-      (axes[0, 0], [("reward_avg", "reward, moving average"),
-                    ("format_rate", "format rate (samples)")]),
-      (axes[0, 1], [("test_accuracy", "test accuracy, greedy"),
-                    ("test_accuracy_sampled", "test accuracy, train temperature"),
-                    ("test_format_rate", "test format rate, greedy")]),
-      (axes[0, 2], [("loss", "GRPO loss")]),
-      (axes[1, 0], [("kl", "KL to the SFT policy")]),
-      (axes[1, 1], sorted((k, k.split("/", 1)[1]) for k in
-                          {k for r in records for k in r}
-                          if k.startswith("update_rms/"))),
-      (axes[1, 2], [("max_logit", "largest attention logit")]),
+    (
+      axes[0, 0],
+      [
+        ("reward_avg", "reward, moving average"),
+        ("format_rate", "format rate (samples)"),
+      ],
+    ),
+    (
+      axes[0, 1],
+      [
+        ("test_accuracy", "test accuracy, greedy"),
+        ("test_accuracy_sampled", "test accuracy, train temperature"),
+        ("test_format_rate", "test format rate, greedy"),
+      ],
+    ),
+    (axes[0, 2], [("loss", "GRPO loss")]),
+    (axes[1, 0], [("kl", "KL to the SFT policy")]),
+    (
+      axes[1, 1],
+      sorted(
+        (k, k.split("/", 1)[1])
+        for k in {k for r in records for k in r}
+        if k.startswith("update_rms/")
+      ),
+    ),
+    (axes[1, 2], [("max_logit", "largest attention logit")]),
   ]
   for ax, series in panels:
     for key, label in series:
       steps, values = _series(records, key)
-      ax.plot(steps, values, label=label, marker="." if len(steps) < 30 else None)
+      ax.plot(
+        steps, values, label=label, marker="." if len(steps) < 30 else None
+      )
     ax.set_xlabel("GRPO step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -67,9 +89,14 @@ def plot_compare(runs: dict, png_path) -> None:
     for ax, key in zip(axes, ("reward_avg", "format_rate", "test_accuracy")):
       steps, values = _series(records, key)
       ax.plot(steps, values, label=label)
-  for ax, title in zip(axes, ("reward (moving average of the samples)",
-                              "format rate of the samples",
-                              "greedy test accuracy")):
+  for ax, title in zip(
+    axes,
+    (
+      "reward (moving average of the samples)",
+      "format rate of the samples",
+      "greedy test accuracy",
+    ),
+  ):
     ax.set_title(title)
     ax.set_xlabel("GRPO step")
     ax.grid(alpha=0.3)

@@ -24,8 +24,10 @@ def _encode(texts, width: int, field: str, left: bool) -> np.ndarray:
   for text in texts:
     data = (text + "\n").encode()
     if len(data) > width:
-      raise ValueError(f"a text of {len(data)} bytes does not fit "
-                       f"train.{field}={width}; raise it")
+      raise ValueError(
+        f"a text of {len(data)} bytes does not fit "
+        f"train.{field}={width}; raise it"
+      )
     padded = (data.rjust if left else data.ljust)(width, bytes([PAD]))
     rows.append(np.frombuffer(padded, np.uint8))
   return np.stack(rows).astype(np.int32)
@@ -57,8 +59,9 @@ def decode_completions(completions) -> list[str]:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def sample(graphdef, params, prompts, completion_len: int,
-           temperature: float, key) -> jax.Array:
+def sample(
+  graphdef, params, prompts, completion_len: int, temperature: float, key
+) -> jax.Array:
   """``(batch, completion_len)`` tokens continuing ``prompts``.
 
   The prompt fills the key/value cache in one pass, then a ``lax.scan``
@@ -91,7 +94,7 @@ def token_logprobs(model, prompts, completions, temperature: float = 1.0):
   is the policy at ``temperature`` (the one that sampled, for GRPO)."""
   sequences = jnp.concatenate([prompts, completions], axis=1)
   logits, max_logits = model.forward(sequences[:, :-1])
-  logits = logits[:, prompts.shape[1] - 1:].astype(jnp.float32)
+  logits = logits[:, prompts.shape[1] - 1 :].astype(jnp.float32)
   logprobs = jax.nn.log_softmax(logits / temperature, axis=-1)
   chosen = jnp.take_along_axis(logprobs, completions[..., None], axis=-1)
   return chosen[..., 0], max_logits

@@ -48,9 +48,13 @@ def make_problem(rng: random.Random, level: int) -> Problem:
     if op == "-" and operand > value:
       op = "+"  # counts stay non-negative
     new = {"+": value + operand, "-": value - operand, "*": value * operand}[op]
-    sentences.append({"+": f"They get {operand} more.",
-                      "-": f"They lose {operand}.",
-                      "*": "It doubles." if operand == 2 else "It triples."}[op])
+    sentences.append(
+      {
+        "+": f"They get {operand} more.",
+        "-": f"They lose {operand}.",
+        "*": "It doubles." if operand == 2 else "It triples.",
+      }[op]
+    )
     steps.append(f"{value} {'x' if op == '*' else op} {operand} = {new}.")
     value = new
   question = " ".join(sentences) + f" How many {item} now?"
@@ -58,17 +62,20 @@ def make_problem(rng: random.Random, level: int) -> Problem:
   return Problem(question, value, solution, level)
 
 
-def problems(split: str, count: int, *, seed: int = 0,
-             levels=(1, 2, 3)) -> list[Problem]:
+def problems(
+  split: str, count: int, *, seed: int = 0, levels=(1, 2, 3)
+) -> list[Problem]:
   """``count`` problems of ``split`` ("train" or "test"), levels mixed."""
   if split not in ("train", "test"):
-    raise ValueError(f"split={split!r} is not accepted; accepted: "
-                     "['train', 'test']")
+    raise ValueError(
+      f"split={split!r} is not accepted; accepted: ['train', 'test']"
+    )
   rng = random.Random(f"{seed}-{split}")
   held_out = set()
   if split == "train":  # keep test questions out of the train set
-    held_out = {p.question for p in problems("test", 500, seed=seed,
-                                             levels=levels)}
+    held_out = {
+      p.question for p in problems("test", 500, seed=seed, levels=levels)
+    }
   out = []
   while len(out) < count:
     problem = make_problem(rng, rng.choice(tuple(levels)))

@@ -52,12 +52,19 @@ def optimizer(cfg: config_lib.RunConfig, params, layout):
   """``cfg.optim`` under the warm-up/decay schedule, its peak lr an
   ``inject_hyperparams`` hyperparameter (``learning_rate``) that a rollback
   halves; ``layout`` from ``lm_train.layout_of``."""
+
   def make(learning_rate):
-    schedule = grpo.warmup_decay(learning_rate, cfg.train.warmup_steps,
-                                 cfg.train.lr_decay)
-    return cfg.optim.build(schedule, params=params, layout=layout,
-                           split_qkv=lm_train.split_qkv_of(cfg),
-                           attention=lm_train.attention_of(cfg))
+    schedule = grpo.warmup_decay(
+      learning_rate, cfg.train.warmup_steps, cfg.train.lr_decay
+    )
+    return cfg.optim.build(
+      schedule,
+      params=params,
+      layout=layout,
+      split_qkv=lm_train.split_qkv_of(cfg),
+      attention=lm_train.attention_of(cfg),
+    )
+
   return optax.inject_hyperparams(make)(learning_rate=cfg.optim.lr)
 
 
@@ -76,68 +83,104 @@ class Policy:
     self.graphdef, self.initial_params = nnx.split(model)
     self.tx = optimizer(cfg, self.initial_params, self.layout)
     graphdef, tx, run = self.graphdef, self.tx, cfg.train
-    matrices = {key: parameter_group(path) for key, (path, leaf)
-                in lm_train.named_leaves(self.initial_params).items()
-                if leaf.ndim >= 2}
+    matrices = {
+      key: parameter_group(path)
+      for key, (path, leaf) in lm_train.named_leaves(
+        self.initial_params
+      ).items()
+      if leaf.ndim >= 2
+    }
 
     def loss_fn(params, prompts, completions, reference, advantages):
       logprobs, max_logits = policy.token_logprobs(
-          nnx.merge(graphdef, params), prompts, completions, run.temperature)
+        nnx.merge(graphdef, params), prompts, completions, run.temperature
+      )
       # one update per batch: the sampling policy is this one, ratio 1;
       # log-probs at the sampling temperature, as verl computes them
       loss, metrics = grpo.grpo_loss(
-          logprobs, jax.lax.stop_gradient(logprobs), reference, advantages,
-          policy.completion_mask(completions), clip_ratio=run.clip_ratio,
-          kl_coef=run.kl_coef)
+        logprobs,
+        jax.lax.stop_gradient(logprobs),
+        reference,
+        advantages,
+        policy.completion_mask(completions),
+        clip_ratio=run.clip_ratio,
+        kl_coef=run.kl_coef,
+      )
       return loss, (metrics, max_logits)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, prompts, completions, reference, advantages):
       (loss, (metrics, max_logits)), grads = jax.value_and_grad(
-          loss_fn, has_aux=True)(params, prompts, completions, reference,
-                                 advantages)
-      extra = ({"max_logits": lm_train.max_logits_by_layer(cfg, max_logits)}
-               if cfg.optim.qk_clip else {})
+        loss_fn, has_aux=True
+      )(params, prompts, completions, reference, advantages)
+      extra = (
+        {"max_logits": lm_train.max_logits_by_layer(cfg, max_logits)}
+        if cfg.optim.qk_clip
+        else {}
+      )
       updates, opt_state = tx.update(grads, opt_state, params, **extra)
       params = optax.apply_updates(params, updates)
-      metrics |= {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                  "max_logit": max_logits.max()}
+      metrics |= {
+        "loss": loss,
+        "grad_norm": optax.tree.norm(grads),
+        "max_logit": max_logits.max(),
+      }
       metrics |= lm_train.update_rms_by_group(updates, matrices)
       return params, opt_state, metrics
 
     self.step = step
-    self.logprobs = jax.jit(lambda params, prompts, completions:
-                            policy.token_logprobs(nnx.merge(graphdef, params),
-                                                  prompts, completions,
-                                                  run.temperature)[0])
+    self.logprobs = jax.jit(
+      lambda params, prompts, completions: policy.token_logprobs(
+        nnx.merge(graphdef, params), prompts, completions, run.temperature
+      )[0]
+    )
 
   def sample(self, params, prompts, temperature: float, key):
-    return policy.sample(self.graphdef, params, prompts,
-                         self.cfg.train.completion_len, temperature, key)
+    return policy.sample(
+      self.graphdef,
+      params,
+      prompts,
+      self.cfg.train.completion_len,
+      temperature,
+      key,
+    )
 
 
 def score(texts, problems, shaped: bool) -> dict:
   """Rewards, format and correctness of ``texts`` answering ``problems``."""
-  return {"reward": np.array([task.reward(t, p.answer, shaped=shaped)
-                              for t, p in zip(texts, problems)], np.float32),
-          "format": np.array([task.format_ok(t) for t in texts], np.float32),
-          "correct": np.array([task.extract_answer(t) == p.answer
-                               for t, p in zip(texts, problems)], np.float32)}
+  return {
+    "reward": np.array(
+      [
+        task.reward(t, p.answer, shaped=shaped) for t, p in zip(texts, problems)
+      ],
+      np.float32,
+    ),
+    "format": np.array([task.format_ok(t) for t in texts], np.float32),
+    "correct": np.array(
+      [task.extract_answer(t) == p.answer for t, p in zip(texts, problems)],
+      np.float32,
+    ),
+  }
 
 
-def evaluate(model: Policy, params, prompts, problems, temperature: float,
-             key) -> dict:
+def evaluate(
+  model: Policy, params, prompts, problems, temperature: float, key
+) -> dict:
   """Accuracy (boxed answer correct and well formed) and format rate."""
-  texts = policy.decode_completions(model.sample(params, prompts, temperature,
-                                                 key))
+  texts = policy.decode_completions(
+    model.sample(params, prompts, temperature, key)
+  )
   scores = score(texts, problems, shaped=False)
-  return {"accuracy": float(scores["reward"].mean()),
-          "format_rate": float(scores["format"].mean())}
+  return {
+    "accuracy": float(scores["reward"].mean()),
+    "format_rate": float(scores["format"].mean()),
+  }
 
 
 def set_learning_rate(opt_state, lr: float):
   opt_state.hyperparams["learning_rate"] = jnp.asarray(
-      lr, opt_state.hyperparams["learning_rate"].dtype)
+    lr, opt_state.hyperparams["learning_rate"].dtype
+  )
   return opt_state
 
 
@@ -149,22 +192,32 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False) -> dict:
   out.mkdir(parents=True, exist_ok=True)
   model = Policy(cfg)
   reference, sft_info = sft.load_or_train(
-      cfg, model.graphdef, model.initial_params, lm_train.split_qkv_of(cfg))
+    cfg, model.graphdef, model.initial_params, lm_train.split_qkv_of(cfg)
+  )
   # the step donates the params it is given; the reference stays
   params = jax.tree.map(jnp.copy, reference)
   opt_state = model.tx.init(params)
   train_problems = sft.train_problems(cfg)
-  test_problems = task.problems("test", run.test_problems, seed=run.seed,
-                                levels=run.levels)
-  test_prompts = policy.encode_prompts([p.question for p in test_problems],
-                                       run.prompt_width)
+  test_problems = task.problems(
+    "test", run.test_problems, seed=run.seed, levels=run.levels
+  )
+  test_prompts = policy.encode_prompts(
+    [p.question for p in test_problems], run.prompt_width
+  )
   eval_key = jax.random.key(run.seed + 1)
-  checkpoints = checkpoint_lib.Checkpointer(out / "checkpoints", keep=1,
-                                            best_metric="accuracy")
+  checkpoints = checkpoint_lib.Checkpointer(
+    out / "checkpoints", keep=1, best_metric="accuracy"
+  )
   rollback = grpo.Rollback(run.rollback_patience)
   window = collections.deque(maxlen=run.reward_window)
-  state = {"step": 0, "lr": cfg.optim.lr, "rollbacks": 0, "accuracies": {},
-           "sft_accuracy": None, "test": None}
+  state = {
+    "step": 0,
+    "lr": cfg.optim.lr,
+    "rollbacks": 0,
+    "accuracies": {},
+    "sft_accuracy": None,
+    "test": None,
+  }
   restored = checkpoints.restore_latest((params, opt_state)) if resume else None
   if restored is not None:
     (params, opt_state), meta = restored
@@ -172,121 +225,179 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False) -> dict:
     rollback.load(meta["rollback"])
     window.extend(meta["window"])
   else:  # the SFT policy is step 0: the first best, a rollback target
-    accuracy = evaluate(model, reference, test_prompts, test_problems, 0.0,
-                        eval_key)["accuracy"]
+    accuracy = evaluate(
+      model, reference, test_prompts, test_problems, 0.0, eval_key
+    )["accuracy"]
     state["sft_accuracy"] = state["accuracies"]["0"] = accuracy
     rollback.update(accuracy)
-    checkpoints.save(0, (params, opt_state),
-                     {"state": state, "rollback": rollback.state(),
-                      "window": []}, metrics={"accuracy": accuracy})
+    checkpoints.save(
+      0,
+      (params, opt_state),
+      {"state": state, "rollback": rollback.state(), "window": []},
+      metrics={"accuracy": accuracy},
+    )
   start = state["step"]
   metrics_path = out / "metrics.jsonl"
   # a resumed run drops what was logged after its checkpoint
-  metrics_path.write_text("".join(
-      line + "\n" for line in lm_train.read_metrics(metrics_path, start))
-                          if start else "")
+  metrics_path.write_text(
+    "".join(line + "\n" for line in lm_train.read_metrics(metrics_path, start))
+    if start
+    else ""
+  )
   if start == 0:
     with metrics_path.open("a") as log:
-      log.write(json.dumps({"step": 0, "test_accuracy": state["sft_accuracy"],
-                            "lr": state["lr"]}) + "\n")
+      log.write(
+        json.dumps(
+          {"step": 0, "test_accuracy": state["sft_accuracy"], "lr": state["lr"]}
+        )
+        + "\n"
+      )
   shaped = run.reward == "shaped"
-  bar = tqdm(range(start, run.steps), initial=start, total=run.steps,
-             desc=cfg.name, file=sys.stdout, disable=not run.progress,
-             mininterval=2.0)
+  bar = tqdm(
+    range(start, run.steps),
+    initial=start,
+    total=run.steps,
+    desc=cfg.name,
+    file=sys.stdout,
+    disable=not run.progress,
+    mininterval=2.0,
+  )
   with metrics_path.open("a") as log:
     for step in bar:
       tick = time.perf_counter()
       rng = np.random.default_rng([run.seed, step, 1])
-      chosen = [train_problems[i] for i in
-                rng.integers(0, len(train_problems), run.prompts_per_step)]
+      chosen = [
+        train_problems[i]
+        for i in rng.integers(0, len(train_problems), run.prompts_per_step)
+      ]
       group = [p for p in chosen for _ in range(run.group_size)]
-      prompts = policy.encode_prompts([p.question for p in group],
-                                      run.prompt_width)
+      prompts = policy.encode_prompts(
+        [p.question for p in group], run.prompt_width
+      )
       key = jax.random.fold_in(jax.random.key(run.seed), step)
       completions = model.sample(params, prompts, run.temperature, key)
       scores = score(policy.decode_completions(completions), group, shaped)
       advantages = grpo.group_advantages(
-          scores["reward"].reshape(run.prompts_per_step, run.group_size))
+        scores["reward"].reshape(run.prompts_per_step, run.group_size)
+      )
       params, opt_state, metrics = model.step(
-          params, opt_state, prompts, completions,
-          model.logprobs(reference, prompts, completions),
-          advantages.reshape(-1))
+        params,
+        opt_state,
+        prompts,
+        completions,
+        model.logprobs(reference, prompts, completions),
+        advantages.reshape(-1),
+      )
       window.append(float(scores["reward"].mean()))
       done = step + 1
-      record = {"step": done, **{k: float(v) for k, v in metrics.items()},
-                "reward": window[-1], "reward_avg": float(np.mean(window)),
-                "format_rate": float(scores["format"].mean()),
-                # groups whose rewards differ: the only ones that teach
-                "signal_groups": float(np.mean(np.any(
-                    advantages != 0, axis=-1))),
-                "correct_rate": float(scores["correct"].mean()),
-                "lr": float(opt_state.hyperparams["learning_rate"]),
-                "step_time": time.perf_counter() - tick}
+      record = {
+        "step": done,
+        **{k: float(v) for k, v in metrics.items()},
+        "reward": window[-1],
+        "reward_avg": float(np.mean(window)),
+        "format_rate": float(scores["format"].mean()),
+        # groups whose rewards differ: the only ones that teach
+        "signal_groups": float(np.mean(np.any(advantages != 0, axis=-1))),
+        "correct_rate": float(scores["correct"].mean()),
+        "lr": float(opt_state.hyperparams["learning_rate"]),
+        "step_time": time.perf_counter() - tick,
+      }
       if done % run.eval_every == 0 or done == run.steps:
-        greedy = evaluate(model, params, test_prompts, test_problems, 0.0,
-                          eval_key)
-        sampled = evaluate(model, params, test_prompts, test_problems,
-                           run.temperature, eval_key)
+        greedy = evaluate(
+          model, params, test_prompts, test_problems, 0.0, eval_key
+        )
+        sampled = evaluate(
+          model, params, test_prompts, test_problems, run.temperature, eval_key
+        )
         accuracy = greedy["accuracy"]
-        record |= {"test_accuracy": accuracy,
-                   "test_format_rate": greedy["format_rate"],
-                   "test_accuracy_sampled": sampled["accuracy"]}
+        record |= {
+          "test_accuracy": accuracy,
+          "test_format_rate": greedy["format_rate"],
+          "test_accuracy_sampled": sampled["accuracy"],
+        }
         state["test"] = greedy
         best_step = checkpoints.best_step()
         best = state["accuracies"][str(best_step)]
         if rollback.update(accuracy, best):
-          (params, opt_state), _ = checkpoints.restore(best_step,
-                                                       (params, opt_state))
+          (params, opt_state), _ = checkpoints.restore(
+            best_step, (params, opt_state)
+          )
           state["lr"] /= 2
           state["rollbacks"] += 1
           opt_state = set_learning_rate(opt_state, state["lr"])
           accuracy, state["test"] = best, None
           record |= {"rollback_to": best_step, "lr": state["lr"]}
-          _logger.info("step %d: greedy accuracy fell %d times in a row; back "
-                       "to step %d (accuracy %.3f), lr halved to %.3g", done,
-                       run.rollback_patience, best_step, best, state["lr"])
+          _logger.info(
+            "step %d: greedy accuracy fell %d times in a row; back "
+            "to step %d (accuracy %.3f), lr halved to %.3g",
+            done,
+            run.rollback_patience,
+            best_step,
+            best,
+            state["lr"],
+          )
         state["step"] = done
         state["accuracies"][str(done)] = accuracy
         record["params_sha256"] = checkpoint_lib.tree_sha256(params)
-        checkpoints.save(done, (params, opt_state),
-                         {"state": state, "rollback": rollback.state(),
-                          "window": list(window)},
-                         metrics={"accuracy": accuracy})
-      bar.set_postfix(reward=f"{record['reward_avg']:.2f}",
-                      acc=f"{state['accuracies'][str(state['step'])]:.3f}",
-                      refresh=False)
+        checkpoints.save(
+          done,
+          (params, opt_state),
+          {
+            "state": state,
+            "rollback": rollback.state(),
+            "window": list(window),
+          },
+          metrics={"accuracy": accuracy},
+        )
+      bar.set_postfix(
+        reward=f"{record['reward_avg']:.2f}",
+        acc=f"{state['accuracies'][str(state['step'])]:.3f}",
+        refresh=False,
+      )
       log.write(json.dumps(record) + "\n")
       log.flush()
   if state["test"] is None:  # the run ended on a rollback
-    state["test"] = evaluate(model, params, test_prompts, test_problems, 0.0,
-                             eval_key)
+    state["test"] = evaluate(
+      model, params, test_prompts, test_problems, 0.0, eval_key
+    )
   plots.plot_run(metrics_path, out / "metrics.png", cfg.name)
-  final = {"optimizer": cfg.optim.optimizer, "reward": run.reward,
-           "lr": cfg.optim.lr, "final_lr": state["lr"],
-           "sft_accuracy": state["sft_accuracy"],
-           "final_accuracy": state["test"]["accuracy"],
-           "best_accuracy": max(state["accuracies"].values()),
-           "format_rate": state["test"]["format_rate"],
-           "rollbacks": state["rollbacks"], "steps": run.steps,
-           "seed": run.seed, "sft_seconds": sft_info["seconds"],
-           "params_sha256": checkpoint_lib.tree_sha256(params),
-           "seconds": time.perf_counter() - begin}
+  final = {
+    "optimizer": cfg.optim.optimizer,
+    "reward": run.reward,
+    "lr": cfg.optim.lr,
+    "final_lr": state["lr"],
+    "sft_accuracy": state["sft_accuracy"],
+    "final_accuracy": state["test"]["accuracy"],
+    "best_accuracy": max(state["accuracies"].values()),
+    "format_rate": state["test"]["format_rate"],
+    "rollbacks": state["rollbacks"],
+    "steps": run.steps,
+    "seed": run.seed,
+    "sft_seconds": sft_info["seconds"],
+    "params_sha256": checkpoint_lib.tree_sha256(params),
+    "seconds": time.perf_counter() - begin,
+  }
   (out / "final.json").write_text(json.dumps(final, indent=1))
   return final
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
-      epilog="overrides: preset=tiny|small, model.<field>=..., sft.<field>=..., "
-      "train.<field>=..., optim.<MuonConfig field>=... (or a verl path, "
-      "actor_rollout_ref.actor.optim.lr=...)")
+    description=__doc__.splitlines()[0],
+    epilog="overrides: preset=tiny|small, model.<field>=..., sft.<field>=..., "
+    "train.<field>=..., optim.<MuonConfig field>=... (or a verl path, "
+    "actor_rollout_ref.actor.optim.lr=...)",
+  )
   parser.add_argument("overrides", nargs="*")
-  parser.add_argument("--resume", action="store_true",
-                      help="continue from the newest good checkpoint")
+  parser.add_argument(
+    "--resume",
+    action="store_true",
+    help="continue from the newest good checkpoint",
+  )
   args = parser.parse_intermixed_args(argv)
-  logging.basicConfig(stream=sys.stdout, level=logging.WARNING,
-                      format="%(message)s", force=True)
+  logging.basicConfig(
+    stream=sys.stdout, level=logging.WARNING, format="%(message)s", force=True
+  )
   for name in ("grpo_arith", "optax_muon"):
     logging.getLogger(name).setLevel(logging.INFO)
   logging.getLogger("absl").setLevel(logging.ERROR)
@@ -295,11 +406,13 @@ def main(argv=None):
     final = train(cfg, resume=args.resume)
   except (ValueError, TypeError, OSError) as error:
     parser.exit(2, f"{parser.prog}: error: {error}\n")
-  print(f"{cfg.name}: greedy test accuracy {final['sft_accuracy']:.3f} after "
-        f"SFT, {final['final_accuracy']:.3f} after {final['steps']} GRPO steps "
-        f"(best {final['best_accuracy']:.3f}, format {final['format_rate']:.2f}, "
-        f"{final['rollbacks']} rollbacks, {final['seconds']:.0f} s; "
-        f"{cfg.out_dir})")
+  print(
+    f"{cfg.name}: greedy test accuracy {final['sft_accuracy']:.3f} after "
+    f"SFT, {final['final_accuracy']:.3f} after {final['steps']} GRPO steps "
+    f"(best {final['best_accuracy']:.3f}, format {final['format_rate']:.2f}, "
+    f"{final['rollbacks']} rollbacks, {final['seconds']:.0f} s; "
+    f"{cfg.out_dir})"
+  )
   return final
 
 
