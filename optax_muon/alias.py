@@ -43,7 +43,7 @@ def resolve_extra_scale_factor(
       and factor not in _logged_factors
       and (jax.process_index() == 0)
     ):
-      _logged_factors.add(factor)
+      _logged_factors.add(float(factor))
       _logger.info(
         "match_adamw_update_rms: extra_scale_factor resolved to "
         "%.6f from adamw beta1=%s",

@@ -14,6 +14,7 @@ import math
 import types
 import typing
 import warnings
+from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
@@ -212,7 +213,7 @@ class MuonConfig:
     """The resolved factor after the shape scale: ``muon_extra_scale_factor``,
     or when unset 1.0, or the RMS-matching factor from ``betas[0]``."""
     if self.muon_match_adamw_update_rms:
-      return scaling.adamw_rms_match_factor(self.betas[0])
+      return float(scaling.adamw_rms_match_factor(self.betas[0]))
     if self.muon_extra_scale_factor is None:
       return 1.0
     return float(self.muon_extra_scale_factor)
@@ -339,6 +340,7 @@ class MuonConfig:
     check_split = self.muon_split_qkv and split is None
     if check_split and params is not None:
       _check_no_fused_qkv(params)
+    optimizer: Callable[..., optax.GradientTransformation]
     if self.optimizer == "adaptive_muon":
       optimizer = functools.partial(
         adaptive.adaptive_muon,
@@ -431,7 +433,8 @@ def parse_fields(cls, values: Mapping[str, Any]) -> dict[str, Any]:
   allowed) to values or strings; an unknown name raises ``ValueError``."""
   hints = typing.get_type_hints(cls)
   known = [f.name for f in dataclasses.fields(cls)]
-  fields, keys = {}, {}
+  fields: dict[str, Any] = {}
+  keys: dict[str, str] = {}
   for key, value in _flatten(values).items():
     name = key.rsplit(".", 1)[-1]
     if name not in known:

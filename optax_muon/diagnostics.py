@@ -4,13 +4,14 @@ Each works on the last two axes as one matrix and keeps leading axes, so a
 stacked ``[L, in, out]`` leaf gives ``L`` numbers, one per matrix.
 """
 
+from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 
-def update_rms(updates):
+def update_rms(updates: Any) -> Any:
   """Root mean square of each matrix of each leaf.
 
   Args:
@@ -36,7 +37,7 @@ def _wide(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, -1, -2) if x.shape[-2] > x.shape[-1] else x
 
 
-def orthogonality_error(x):
+def orthogonality_error(x: jax.Array) -> jax.Array:
   """``‖W Wᵀ − I‖_F / √k`` per matrix, ``W`` the wide orientation, ``k`` its rows.
 
   0 for a matrix with orthonormal rows (or columns, when tall); the RMS of

@@ -29,7 +29,7 @@ from optax_muon import alias
 
 
 class HyperballState(NamedTuple):
-  count: jax.Array  # steps taken, for a learning-rate schedule
+  count: jax.Array  # type: ignore[assignment]  # steps, for a schedule
 
 
 def _norm(x: jax.Array) -> jax.Array:

@@ -26,6 +26,7 @@ default view, with role ``unknown`` and the operation named in its reason.
 import dataclasses
 import math
 import re
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import jax
@@ -98,7 +99,14 @@ def _selected_outputs(out_shape, output) -> list[int]:
   return jax.tree.leaves(numbered[output])
 
 
-def _decide(path, leaf, uses: set, heads: set, index: int, vocab: set):
+def _decide(
+  path,
+  leaf,
+  uses: AbstractSet,
+  heads: AbstractSet,
+  index: int,
+  vocab: AbstractSet,
+):
   """``(role, label, MuonDimensionNumbers | None, reason)`` of one leaf."""
   shape = tuple(jnp.shape(leaf))
   if not labels_lib.is_float(leaf):
@@ -294,7 +302,7 @@ def infer_layout(
         "got none; pass an example batch: om.infer_layout(model, batch) "
         "(arrays or jax.ShapeDtypeStruct)"
       )
-    graphdef, state, rest = nnx.split(
+    graphdef, state, rest = nnx.split(  # type: ignore[misc]
       fn, nnx.Param if wrt is None else wrt, ...
     )
 

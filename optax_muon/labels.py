@@ -10,6 +10,7 @@ update and no optimizer state.
 
 from collections.abc import Callable
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,7 @@ def default_labels(
   *,
   adam_patterns: Sequence[str] = (),
   muon_patterns: Sequence[str] = (),
-):
+) -> Any:
   """Labels each leaf ``"muon"``, ``"adam"`` or ``"none"`` by path, shape, dtype.
 
   A leaf that is not floating point is ``"none"``. Otherwise it is ``"muon"``

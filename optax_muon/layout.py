@@ -236,6 +236,8 @@ def matrix_view(
     )
   if dimension_numbers is None and ndim > 2:
     raise ValueError(unviewed_message([(where, shape)]))
+  reduction: tuple[int, ...]
+  output: tuple[int, ...]
   if dimension_numbers is None or dimension_numbers == LEADING:
     reduction, output = (ndim - 2,), (ndim - 1,)
   elif isinstance(dimension_numbers, MuonDimensionNumbers):

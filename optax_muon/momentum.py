@@ -49,7 +49,7 @@ def _buffer_dtype(param_dtype, dtype):
 class BiasCorrectedMomentumState(NamedTuple):
   """The momentum buffer and the number of updates taken."""
 
-  count: jax.Array  # int32 scalar
+  count: jax.Array  # type: ignore[assignment]  # int32 scalar, as optax
   mu: optax.Updates
 
 

@@ -6,6 +6,8 @@ cap, see ``STACK_BYTES``) and orthogonalized by one batched Newton–Schulz loop
 per stack, then put back.
 """
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +41,8 @@ def _chunks(groups, sizes, ranks: int = 1):
   holds ``ranks`` times as much, as each rank keeps its share."""
   cap = ranks * min(STACK_BYTES, max(sizes + [MIN_STACK_BYTES]))
   for members in groups:
-    chunk, size = [], 0
+    chunk: list[int] = []
+    size = 0
     for i in members:
       if chunk and size + sizes[i] > cap:
         yield chunk
@@ -74,12 +77,12 @@ def _orthogonalize_grouped(
   With ``distribute_axis`` (inside ``shard_map``), each rank of that mesh axis
   orthogonalizes 1/N of every group and the results are all-gathered.
   """
-  groups = {}
+  groups: dict[tuple, list[int]] = {}
   for index, matrix in enumerate(matrices):
     key = (tuple(sorted(matrix.shape[-2:])), ns.working_dtype(matrix.dtype))
     groups.setdefault(key, []).append(index)
   sizes = [matrix.size * 4 for matrix in matrices]
-  results = [None] * len(matrices)
+  results: list[Any] = [None] * len(matrices)
   ranks = 1 if distribute_axis is None else jax.lax.axis_size(distribute_axis)
   for members in _chunks(groups.values(), sizes, ranks):
     inputs = [matrices[i] for i in members]

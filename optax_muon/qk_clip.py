@@ -201,7 +201,7 @@ def clip_qk(
   num_heads: int,
   num_kv_heads: int,
   head_dim: int,
-):
+) -> tuple[jax.Array, jax.Array]:
   r"""Rescales the query and key kernels of groups whose logits exceed τ.
 
   For each query group ``g`` with ``S_g = max_{h∈g} max_logits[h] > τ`` and
@@ -275,7 +275,7 @@ def clip_mla_qk(
   qk_nope_head_dim: int,
   qk_rope_head_dim: int,
   v_head_dim: int,
-):
+) -> tuple[jax.Array, jax.Array]:
   r"""QK-clip of one multi-head latent attention (MLA) layer.
 
   For each head ``h`` with ``S_h = max_logits[h] > τ`` and ``η = τ / S_h``:
@@ -365,7 +365,7 @@ def _layer(name: str, spec: Mapping[str, Any]) -> _Layer:
         f"{where} has 'qkv' and needs 'split_qkv': a "
         f"SplitQKV with its head counts, got {split!r}"
       )
-    keys = ("qkv", "split_qkv")
+    keys: tuple[str, ...] = ("qkv", "split_qkv")
     layer = _Layer(
       name,
       (
@@ -385,28 +385,31 @@ def _layer(name: str, spec: Mapping[str, Any]) -> _Layer:
     if missing:
       raise ValueError(f"{where} lacks {missing}; accepted keys: {_ACCEPTED}")
     if "kv" in spec:
-      dims = [spec[key] for key in _MLA_KEYS[2:]]
-      _check_mla(*dims)
+      heads, nope, rope, v = (spec[key] for key in _MLA_KEYS[2:])
+      _check_mla(heads, nope, rope, v)
       layer = _Layer(
         name,
         tuple(
-          (_as_path(spec[part]), mla_column_map(*dims, part))
+          (_as_path(spec[part]), mla_column_map(heads, nope, rope, v, part))
           for part in ("q", "kv")
         ),
-        dims[0],
-        dims[0],
+        heads,
+        heads,
       )
     else:
-      heads = [spec[key] for key in _MHA_KEYS[2:]]
-      _check_heads(*heads)
+      num_heads, num_kv_heads, head_dim = (spec[key] for key in _MHA_KEYS[2:])
+      _check_heads(num_heads, num_kv_heads, head_dim)
       layer = _Layer(
         name,
         tuple(
-          (_as_path(spec[part]), column_map(*heads, part))
+          (
+            _as_path(spec[part]),
+            column_map(num_heads, num_kv_heads, head_dim, part),
+          )
           for part in ("q", "k")
         ),
-        heads[0],
-        heads[1],
+        num_heads,
+        num_kv_heads,
       )
   unknown = set(spec) - set(keys)
   if unknown:

@@ -40,7 +40,7 @@ def scale_factor(fan_out: int, fan_in: int, mode: str = "spectral") -> float:
   return math.sqrt(fan_out / fan_in)
 
 
-def adamw_rms_match_factor(beta1):
+def adamw_rms_match_factor(beta1: float | jax.Array) -> float | jax.Array:
   r"""``√((1 − β₁) / (1 + β₁))``: the RMS of an AdamW update at steady state.
 
   Multiplying a spectral-scaled Muon update by it makes its RMS equal AdamW's,

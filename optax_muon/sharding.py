@@ -416,7 +416,7 @@ def local_shape(shape, spec, tp: TensorParallel):
 
 def zero1_sharding(
   tree, mesh: jax.sharding.Mesh, axis: str = "data", specs=None
-):
+) -> Any:
   """ZeRO-1: ``NamedSharding``s that also split each leaf over ``axis``.
 
   Each leaf keeps its spec (from ``specs``, a tree like ``tree``, or
