@@ -1,5 +1,7 @@
 """optax_muon: Muon for JAX as composable optax transformations."""
 
+import importlib.metadata
+
 from optax.contrib import MuonDimensionNumbers
 
 from optax_muon import compat
@@ -40,7 +42,10 @@ from optax_muon.spectral import spectral_clip
 from optax_muon.spectral import spectral_clipped_weight_decay
 from optax_muon.spectral import spectral_hardcap
 
-__version__ = "0.1.0"
+try:  # the installed distribution's version (pyproject.toml), one source
+  __version__ = importlib.metadata.version("optax_muon")
+except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path
+  __version__ = "0+unknown"
 
 __all__ = (
   "COEFFICIENT_SETS",

@@ -220,18 +220,19 @@ def scale_by_adaptive_muon(
     update = scale_factor(fan_out, fan_in, scale_mode) · extra · N(O)
 
   with ``N`` the ``moment2_method`` normalization of ``scale_by_moment2``.
+  The arguments not listed below are ``scale_by_muon``'s (``beta``,
+  ``nesterov``, ``momentum_style``, ``mu_dtype``, ``coefficients``,
+  ``steps``, ``precision``, ``scale_mode``, ``extra_scale_factor``,
+  ``match_adamw_update_rms``, ``adamw_beta1``, ``dimension_numbers``,
+  ``split_qkv``, ``layout``, ``split_gate_up``).
 
   Args:
     moment2_method: ``"adamuon"``, ``"normuon"`` or ``"namo"``.
     beta2: the second moment's decay.
     moment2_eps: the second moment's eps (see ``scale_by_moment2``).
-    beta, nesterov, momentum_style, mu_dtype, coefficients, steps,
-      precision, scale_mode, extra_scale_factor, match_adamw_update_rms,
-      adamw_beta1, dimension_numbers, split_qkv, sharding, layout,
-      split_gate_up: as in
-      ``scale_by_muon``. With ``sharding``, Newton–Schulz runs in its
-      ``mode`` and the second moment on the whole (GSPMD-sharded) matrices:
-      the same statistics in every mode.
+    sharding: as in ``scale_by_muon``: Newton–Schulz runs in its ``mode``
+      and the second moment on the whole (GSPMD-sharded) matrices, the same
+      statistics in every mode.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -320,10 +321,11 @@ def adaptive_muon(
   Muon leaves: ``p ← p − lr · (scale_by_adaptive_muon(g) + weight_decay · p)``,
   which is EO's decoupled decay applied before the step.
 
+  The arguments not listed below are ``om.muon``'s; ``moment2_method``,
+  ``beta2`` and ``moment2_eps`` are ``scale_by_adaptive_muon``'s.
+
   Args:
     learning_rate: a float or an optax schedule.
-    moment2_method, beta2, moment2_eps: see ``scale_by_adaptive_muon``.
-    The other arguments: as in ``om.muon``.
 
   Returns:
     An ``optax.GradientTransformation``.

@@ -287,11 +287,14 @@ def muon(
   ``default_labels``; a tree (by path, a prefix allowed) or function of
   ``"muon"`` / ``"adam"`` / ``"none"`` overrides it.
 
+  ``beta``, ``nesterov``, ``momentum_style``, ``mu_dtype``,
+  ``coefficients``, ``steps``, ``precision``, ``method``, ``scale_mode``,
+  ``extra_scale_factor``, ``dimension_numbers``, ``split_qkv``,
+  ``split_gate_up``, ``sharding`` and ``preconditioning`` are
+  ``scale_by_muon``'s.
+
   Args:
     learning_rate: Muon's learning rate, a float or an optax schedule.
-    beta, nesterov, momentum_style, mu_dtype, coefficients, steps, precision,
-      method, scale_mode, extra_scale_factor, dimension_numbers, split_qkv,
-      split_gate_up, sharding, preconditioning: see ``scale_by_muon``.
     match_adamw_update_rms: scale Muon updates to AdamW's RMS using
       ``adam_b1``, so that ``learning_rate`` can be AdamW's.
     weight_decay: decoupled weight decay of the Muon leaves.

@@ -276,7 +276,7 @@ def infer_layout(
 
   Args:
     fn: ``fn(params, *args, **kwargs)``, or an ``nnx.Module``.
-    params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``s); for a
+    params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``); for a
       module, the first model input.
     *args: the other inputs (arrays or shape structs).
     output: which of ``fn``'s outputs is "the output" for head detection:
@@ -378,15 +378,16 @@ def describe(
   """The routing table for the given ``om.muon`` settings (defaults
   included): what each leaf gets before training starts.
 
+  ``labels``, ``dimension_numbers``, ``split_qkv``, ``split_gate_up``,
+  ``layout``, ``scale_mode``, ``match_adamw_update_rms``,
+  ``extra_scale_factor`` and ``adam_b1`` are as in ``om.muon``.
+
   Args:
     params: the parameter tree (arrays, shape structs or ``nnx.State``).
-    labels, dimension_numbers, split_qkv, split_gate_up, layout, scale_mode,
-      match_adamw_update_rms, extra_scale_factor, adam_b1: as in
-      ``om.muon``.
 
   Returns:
-    The table as a string: path, shape, role, optimizer, matrices as
-    ``count × fan_in × fan_out`` (one term per ``split_qkv`` piece), and the
+    The table, as a string with columns path, shape, role, optimizer,
+    matrices as ``count × fan_in × fan_out`` (one term per ``split_qkv`` piece), and the
     scale each matrix's update gets (shape scale × extra factor).
 
   Raises:

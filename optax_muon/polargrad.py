@@ -46,10 +46,12 @@ def scale_by_polargrad(
   r"""PolarGrad's direction: ``⟨O, u⟩ · extra · O`` per matrix (see the
   module docstring).
 
+  ``beta``, ``nesterov``, ``momentum_style``, ``mu_dtype``,
+  ``coefficients``, ``steps``, ``precision``, ``dimension_numbers`` and
+  ``layout`` are as in ``scale_by_muon`` (``nesterov`` defaults to EO's
+  ``False``).
+
   Args:
-    beta, nesterov, momentum_style, mu_dtype, coefficients, steps,
-      precision, dimension_numbers, layout: as in ``scale_by_muon``
-      (``nesterov`` defaults to EO's ``False``).
     extra_scale_factor: a factor on the update, > 0.
 
   Returns:
@@ -122,10 +124,12 @@ def polargrad(
   with ``scale_by_polargrad`` as the direction;
   ``p ← p − lr · (scale_by_polargrad(g) + weight_decay · p)``.
 
+  The other arguments are ``scale_by_polargrad``'s and ``om.muon``'s.
+
   Args:
     learning_rate: a float or an optax schedule.
-    The others: as in ``scale_by_polargrad`` and ``om.muon``
-      (``scalar_kwargs``: ``scalar_optimizer`` and the ``adam_*`` ones).
+    **scalar_kwargs: ``om.muon``'s ``scalar_optimizer`` and ``adam_*``
+      arguments, for the leaves that are not matrices.
 
   Returns:
     An ``optax.GradientTransformation``.

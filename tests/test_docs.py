@@ -1,6 +1,6 @@
 """Every Python code block of the README and docs/ runs; the migration table
 covers every argument of optax.contrib.muon and every MuonConfig field; the
-README's `small` comparison table is the recorded one."""
+`small` comparison table (docs/examples.md) is the recorded one."""
 
 import inspect
 import json
@@ -71,25 +71,81 @@ def test_migration_tables_cover_every_argument_and_field():
     assert f"| `{name}` |" in guide, name
 
 
-def test_readme_links_the_docs_and_the_notebook():
+def test_readme_is_a_front_page_linking_every_page():
   readme = (ROOT / "README.md").read_text()
+  assert len(readme.splitlines()) <= 200
+  pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {
+    "index.md",
+    "changelog.md",
+    "getting_started.md",
+  }
   for target in (
-    "docs/guide.md",
-    "docs/troubleshooting.md",
+    *(f"docs/{page}" for page in sorted(pages)),
+    "CHANGELOG.md",
+    "CONTRIBUTING.md",
     "colab.research.google.com",
     "notebooks/muon_quickstart.ipynb",
   ):
     assert target in readme, target
 
 
-def test_readme_small_table_is_the_recorded_comparison():
+def test_readme_figures_are_the_recorded_ones():
+  """Each figure of the README's "Measured" list, against the file that
+  produced it (the comparison's and the QK-clip demos' summaries) or the
+  page whose table it heads (performance.md's measured column)."""
+  readme = (ROOT / "README.md").read_text()
+  measured = readme.split("## Measured")[1].split("\n## ")[0]
+  small = json.loads((ROOT / "results/small/summary.json").read_text())
+  best = {
+    name: f"{small['best'][name]['final_val_loss']:.3f}"
+    for name in ("adam", "optax", "muon")
+  }
+  assert (
+    f"final validation loss {best['adam']} (AdamW), {best['optax']} "
+    f"(`optax.contrib.muon`),\n  **{best['muon']}** (optax_muon)"
+  ) in measured
+  ratio = {small["vs_adam"][n]["step_ratio"] for n in ("optax", "muon")}
+  assert ratio == {0.5} and "in 50% of the\n  steps" in measured
+  for folder, pair in (
+    ("qk_clip", "reaches {} without the clip and at most\n  {} with it"),
+    ("qk_clip_mla", "{} against {}"),
+  ):
+    demo = json.loads((ROOT / "results" / folder / "summary.json").read_text())
+    assert demo["settings"]["qk_clip_threshold"] == 100.0
+    figures = [
+      f"{demo[run]['max_logit']:.1f}"
+      for run in ("without QK-clip", "with QK-clip")
+    ]
+    assert pair.format(*figures) in measured, (folder, figures)
+  performance = (ROOT / "docs" / "performance.md").read_text()
+  for figure in (
+    '**0.60 with `method="gram"`**',
+    "**0.502**",
+    "duplicated 0.089 · allgather 0.044",
+  ):
+    assert figure in performance, figure
+  for quoted in ("0.60×", "0.502×", "0.089×", "0.044×"):
+    assert quoted in measured, quoted
+
+
+def test_the_api_reference_lists_every_public_name():
+  from optax_muon import compat
+
+  api = (ROOT / "docs" / "api.md").read_text()
+  documented = set(re.findall(r"^```\{auto\w+\} ([\w.]+)$", api, re.M))
+  public = {f"optax_muon.{name}" for name in om.__all__ if name != "compat"}
+  public |= {f"optax_muon.compat.{name}" for name in compat.__all__}
+  assert public <= documented, sorted(public - documented)
+
+
+def test_the_small_table_is_the_recorded_comparison():
   """The `small` table quotes results/small/summary.json (compare.py's output)
   to the digits shown: each sweep point, the best lr and the ratios."""
   summary = json.loads(
     (ROOT / "results" / "small" / "summary.json").read_text()
   )
-  readme = (ROOT / "README.md").read_text()
-  section = readme.split("### Three contestants on the `small` preset")[1]
+  page = (ROOT / "docs" / "examples.md").read_text()
+  section = page.split("### Three contestants on the `small` preset")[1]
   section = section.split("\n#")[0]
   rows = {
     "AdamW": "adam",

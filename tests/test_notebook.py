@@ -1,5 +1,5 @@
 """The quick-start notebook runs top to bottom from its own folder, both
-optimizers learn, and it prints the figures the README quotes from it."""
+optimizers learn, and it prints the figures docs/update.md quotes from it."""
 
 import json
 import re
@@ -39,7 +39,7 @@ def test_notebook_runs_from_its_folder_and_shows_what_the_readme_quotes(
   summary = json.loads(_printed(notebook.cells[-1]).strip().splitlines()[-1])
   for name in ("muon", "adamw"):
     assert summary[name]["final"] < summary[name]["initial"], summary
-  # the AdamW -> Muon learning-rate rule: the README quotes these three
+  # the AdamW -> Muon learning-rate rule: docs/update.md quotes these three
   rms = dict(
     re.findall(
       r"^(.*?)\s+update RMS / lr = ([\d.]+)$",
@@ -50,7 +50,7 @@ def test_notebook_runs_from_its_folder_and_shows_what_the_readme_quotes(
   quoted = re.search(
     r"update RMS / lr is ([\d.]+) for AdamW, ([\d.]+) for\s+"
     r"matched Muon, ([\d.]+) for Muon at factor 1.0",
-    (ROOT / "README.md").read_text(),
+    (ROOT / "docs" / "update.md").read_text(),
   )
   assert [
     rms["adamw"],
