@@ -203,7 +203,7 @@ def test_bad_run_overrides_raise():
     config_lib.run_config(["model.n_head=5"])
 
 
-def test_compare_runs_three_contestants(tmp_path, monkeypatch):
+def test_compare_runs_three_contestants(tmp_path, monkeypatch, capsys):
   # one lr each, not extended (the bracketing is the next test's)
   monkeypatch.setattr(compare_lib, "MAX_EXTENSIONS", 0)
   summary = compare_lib.compare(
@@ -234,6 +234,11 @@ def test_compare_runs_three_contestants(tmp_path, monkeypatch):
   # optax orthogonalizes the embeddings and the head too
   assert info["ns_flops_per_step"] > ours["ns_flops_per_step"] > 0
   assert set(summary["vs_adam"]) == {"muon", "optax"}
+  # one overall bar (done / total) with each finished run printed above it
+  shown = capsys.readouterr().out
+  assert "runs 3/3" in shown and "runs 0/3" in shown
+  for run in ("adam-lr0.003", "muon-lr0.01", "optax-lr0.02"):
+    assert f"tiny-{run}-seed0: val loss " in shown, run
   # a second call reuses every finished run: nothing is trained again
   monkeypatch.setattr(compare_lib.train_lib, "train", None)
   again = compare_lib.compare(
@@ -243,12 +248,13 @@ def test_compare_runs_three_contestants(tmp_path, monkeypatch):
     seeds=(0,),
   )
   assert again["best"] == summary["best"]
+  assert capsys.readouterr().out.count("(reused)") == 3
 
 
 def test_sweep_brackets_the_best_lr_and_averages_seeds(tmp_path, monkeypatch):
   calls = []
 
-  def fake_run(overrides, contestant, lr, seed, root, reuse):
+  def fake_run(overrides, contestant, lr, seed, root, reuse, runs_bar=None):
     calls.append((lr, seed))  # a bowl in log lr with its bottom at 8e-3
     loss = (np.log(lr / 8e-3)) ** 2 + 0.01 * seed
     return {"final_val_loss": loss}, tmp_path / f"{lr}-{seed}"

@@ -299,13 +299,13 @@ def test_three_accuracy_drops_roll_back_to_the_best_at_half_the_lr(
 
 
 def test_compare_picks_each_optimizers_best_lr_then_runs_strict_and_seed_1(
-  tmp_path, monkeypatch
+  tmp_path, monkeypatch, capsys
 ):
   from examples.grpo_arith import compare as compare_lib
 
   calls = []
 
-  def fake_train(cfg, resume=False):
+  def fake_train(cfg, resume=False, nested_progress=False):
     # accuracy peaks at lr 2e-4 for Muon and 1e-4 for AdamW
     peak = 2e-4 if cfg.optim.optimizer == "muon" else 1e-4
     accuracy = 0.5 - abs(cfg.optim.lr - peak) * 100
@@ -361,6 +361,10 @@ def test_compare_picks_each_optimizers_best_lr_then_runs_strict_and_seed_1(
     1,
   ) in calls
   assert ("adam", 1e-4, "strict", 0) in calls and len(calls) == 9
+  # one overall bar over the 9 runs, each run's result above it
+  shown = capsys.readouterr().out
+  assert "runs 9/9" in shown
+  assert "tiny-muon-lr0.0002-strict-seed0: greedy accuracy 0.400 ->" in shown
   root = tmp_path / "grpo_tiny"
   assert (root / "compare.png").exists()
   assert (root / "muon-strict-seed0.jsonl").exists()

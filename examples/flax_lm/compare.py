@@ -27,6 +27,7 @@ import shutil
 import statistics
 
 from examples.flax_lm import config as config_lib
+from examples.flax_lm import progress
 from examples.flax_lm import train as train_lib
 
 CONTESTANTS = {
@@ -141,7 +142,8 @@ def plot(runs: dict, path: pathlib.Path) -> None:
 def _as_dict(cfg) -> dict:
   """The run's settings, without where it was written (results move)."""
   settings = json.loads(json.dumps(dataclasses.asdict(cfg), default=float))
-  settings["train"].pop("out_dir")
+  for field in ("out_dir", "progress"):
+    settings["train"].pop(field)
   return settings
 
 
@@ -152,9 +154,10 @@ def run_one(
   seed: int,
   root: pathlib.Path,
   reuse: bool,
+  runs_bar: progress.RunsBar | None = None,
 ) -> tuple[dict, pathlib.Path]:
   """One training run; with ``reuse`` a finished run of the same settings is
-  read, not redone."""
+  read, not redone. ``runs_bar`` shows it (else its result is printed)."""
   base = config_lib.run_config(overrides)
   name = f"{base.preset}-{contestant}-lr{lr:g}-seed{seed}"
   run_dir = root / "runs" / name
@@ -166,14 +169,24 @@ def run_one(
       f"train.seed={seed}",
       f"train.name={name}",
       f"train.out_dir={run_dir}",
-      "train.progress=false",
+      f"train.progress={runs_bar is not None and runs_bar.enabled}",
     ]
   )
+  if runs_bar is not None:
+    runs_bar.start(name)
   final, trained = reuse_or_train(
-    run_dir, _as_dict(cfg), lambda: train_lib.train(cfg), reuse
+    run_dir,
+    _as_dict(cfg),
+    lambda: train_lib.train(cfg, nested_progress=runs_bar is not None),
+    reuse,
   )
-  if trained:
-    print(f"  {name}: val loss {final['final_val_loss']:.4f}", flush=True)
+  line = f"  {name}: val loss {final['final_val_loss']:.4f}" + (
+    "" if trained else " (reused)"
+  )
+  if runs_bar is not None:
+    runs_bar.done(line)
+  elif trained:
+    print(line, flush=True)
   return final, run_dir
 
 
@@ -207,16 +220,18 @@ def sweep(
   root: pathlib.Path,
   reuse: bool,
   max_extensions: int | None = None,
+  runs_bar: progress.RunsBar | None = None,
 ) -> tuple[dict, bool]:
   """``lr -> {"final_val_loss": seed mean, "seeds": [...], "dirs": [...]}``,
   extended until the best lr is bracketed; and whether it is."""
   results = {}
   pending = sorted(lrs)
   extensions = MAX_EXTENSIONS if max_extensions is None else max_extensions
-  for _ in range(extensions + 1):
+  for round_ in range(extensions + 1):
     for lr in pending:
       finals = [
-        run_one(overrides, contestant, lr, seed, root, reuse) for seed in seeds
+        run_one(overrides, contestant, lr, seed, root, reuse, runs_bar)
+        for seed in seeds
       ]
       losses = [final["final_val_loss"] for final, _ in finals]
       results[lr] = {
@@ -228,6 +243,8 @@ def sweep(
     if extension is None:
       return results, True
     pending = [extension]
+    if runs_bar is not None and round_ < extensions:
+      runs_bar.add(len(seeds))
   return results, next_lr(results) is None
 
 
@@ -246,9 +263,12 @@ def compare(
   root = pathlib.Path(out) / base.preset
   root.mkdir(parents=True, exist_ok=True)
   sweep_table, best, runs = [], {}, {}
+  runs_bar = progress.RunsBar(
+    sum(len(lrs) for lrs in sweeps.values()) * len(seeds)
+  )
   for contestant, lrs in sweeps.items():
     results, bracketed = sweep(
-      overrides, contestant, lrs, seeds, root, reuse, max_extensions
+      overrides, contestant, lrs, seeds, root, reuse, max_extensions, runs_bar
     )
     for lr in sorted(results):
       sweep_table.append(
@@ -285,6 +305,7 @@ def compare(
       for name, run in runs.items()
       if name != "adam"
     }
+  runs_bar.close()
   (root / "summary.json").write_text(json.dumps(summary, indent=1))
   plot(runs, root / "val_loss.png")
   return summary

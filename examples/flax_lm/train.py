@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm import tqdm
 
 import optax_muon as om
 from examples.flax_lm import checkpoint as checkpoint_lib
 from examples.flax_lm import config as config_lib
+from examples.flax_lm import progress
 from examples.flax_lm.data import ByteCorpus
 from examples.flax_lm.model import GPT
 
@@ -264,9 +264,14 @@ def read_metrics(path: pathlib.Path, upto: int) -> list[str]:
 
 
 def train(
-  cfg: config_lib.RunConfig, *, resume: bool = False, mesh=None
+  cfg: config_lib.RunConfig,
+  *,
+  resume: bool = False,
+  mesh=None,
+  nested_progress: bool = False,
 ) -> dict:
-  """Runs (or resumes) training; returns the contents of ``final.json``."""
+  """Runs (or resumes) training; returns the contents of ``final.json``.
+  ``nested_progress``: the step bar sits beneath a comparison's ``RunsBar``."""
   out = pathlib.Path(cfg.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   corpus = ByteCorpus(cfg.train.data, max_bytes=cfg.train.max_bytes)
@@ -352,8 +357,9 @@ def train(
       )
     )
   val_loss = None
-  bar = tqdm(
+  bar = progress.step_bar(
     range(start, cfg.train.steps),
+    nested=nested_progress,
     initial=start,
     total=cfg.train.steps,
     disable=not (cfg.train.progress and writer),

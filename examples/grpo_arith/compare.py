@@ -24,6 +24,7 @@ import shutil
 
 import numpy as np
 
+from examples.flax_lm import progress
 from examples.flax_lm.compare import parse_lrs
 from examples.flax_lm.compare import reuse_or_train
 from examples.grpo_arith import config as config_lib
@@ -53,9 +54,11 @@ def run_one(
   reward: str,
   seed: int,
   reuse: bool = True,
+  runs_bar: progress.RunsBar | None = None,
 ) -> dict:
   """One run (its ``final.json`` plus where it is); a finished run of the same
-  settings is read, not redone."""
+  settings is read, not redone. ``runs_bar`` shows it (else its result is
+  printed)."""
   base = config_lib.run_config(overrides)
   name = f"{base.preset}-{optimizer}-lr{lr:g}-{reward}-seed{seed}"
   run_dir = root / "runs" / name
@@ -69,19 +72,26 @@ def run_one(
       f"train.name={name}",
       f"train.out_dir={run_dir}",
       f"train.sft_dir={root / f'sft-seed{seed}'}",
-      "train.progress=false",
+      f"train.progress={runs_bar is not None and runs_bar.enabled}",
     ]
   )
+  if runs_bar is not None:
+    runs_bar.start(name)
   final, trained = reuse_or_train(
-    run_dir, _settings(cfg), lambda: train_lib.train(cfg), reuse
+    run_dir,
+    _settings(cfg),
+    lambda: train_lib.train(cfg, nested_progress=runs_bar is not None),
+    reuse,
   )
-  if trained:
-    print(
-      f"  {name}: greedy accuracy {final['sft_accuracy']:.3f} -> "
-      f"{final['final_accuracy']:.3f} ({final['rollbacks']} rollbacks, "
-      f"format {final['format_rate']:.2f})",
-      flush=True,
-    )
+  line = (
+    f"  {name}: greedy accuracy {final['sft_accuracy']:.3f} -> "
+    f"{final['final_accuracy']:.3f} ({final['rollbacks']} rollbacks, "
+    f"format {final['format_rate']:.2f})" + ("" if trained else " (reused)")
+  )
+  if runs_bar is not None:
+    runs_bar.done(line)
+  elif trained:
+    print(line, flush=True)
   return dict(final, name=name, dir=str(run_dir))
 
 
@@ -117,9 +127,11 @@ def compare(overrides=(), sweeps=None, out="results", reuse=True) -> dict:
   root = pathlib.Path(out) / f"grpo_{base.preset}"
   root.mkdir(parents=True, exist_ok=True)
   runs, best, shown, checks = [], {}, {}, {}
+  # per optimizer: its sweep, then a strict-reward and a second-seed run
+  runs_bar = progress.RunsBar(sum(len(lrs) + 2 for lrs in sweeps.values()))
   for optimizer, lrs in sweeps.items():
     sweep = [
-      run_one(overrides, root, optimizer, lr, "shaped", 0, reuse)
+      run_one(overrides, root, optimizer, lr, "shaped", 0, reuse, runs_bar)
       for lr in sorted(lrs)
     ]
     runs += sweep
@@ -128,8 +140,8 @@ def compare(overrides=(), sweeps=None, out="results", reuse=True) -> dict:
     at_edge = len(lrs) > 1 and lr in (min(lrs), max(lrs))
     best[optimizer] = {"lr": lr, "at_edge_of_sweep": at_edge}
     extra = [
-      run_one(overrides, root, optimizer, lr, "strict", 0, reuse),
-      run_one(overrides, root, optimizer, lr, "shaped", 1, reuse),
+      run_one(overrides, root, optimizer, lr, "strict", 0, reuse, runs_bar),
+      run_one(overrides, root, optimizer, lr, "shaped", 1, reuse, runs_bar),
     ]
     runs += extra
     for run in (chosen, *extra):
@@ -166,6 +178,7 @@ def compare(overrides=(), sweeps=None, out="results", reuse=True) -> dict:
     "runs": table,
     "diagnostics": checks,
   }
+  runs_bar.close()
   (root / "summary.json").write_text(json.dumps(summary, indent=1))
   plots.plot_compare(shown, root / "compare.png")
   return summary

@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm import tqdm
 
 from examples.flax_lm import checkpoint as checkpoint_lib
+from examples.flax_lm import progress
 from examples.flax_lm import train as lm_train
 from examples.flax_lm.model import GPT
 from examples.grpo_arith import config as config_lib
@@ -184,8 +184,14 @@ def set_learning_rate(opt_state, lr: float):
   return opt_state
 
 
-def train(cfg: config_lib.RunConfig, *, resume: bool = False) -> dict:
-  """Runs (or resumes) SFT and GRPO; returns the contents of ``final.json``."""
+def train(
+  cfg: config_lib.RunConfig,
+  *,
+  resume: bool = False,
+  nested_progress: bool = False,
+) -> dict:
+  """Runs (or resumes) SFT and GRPO; returns the contents of ``final.json``.
+  ``nested_progress``: the step bar sits beneath a comparison's ``RunsBar``."""
   begin = time.perf_counter()
   run = cfg.train
   out = pathlib.Path(cfg.out_dir)
@@ -253,8 +259,9 @@ def train(cfg: config_lib.RunConfig, *, resume: bool = False) -> dict:
         + "\n"
       )
   shaped = run.reward == "shaped"
-  bar = tqdm(
+  bar = progress.step_bar(
     range(start, run.steps),
+    nested=nested_progress,
     initial=start,
     total=run.steps,
     desc=cfg.name,
