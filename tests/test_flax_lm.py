@@ -391,3 +391,24 @@ def test_checkpointer_keeps_the_best_besides_the_latest(tmp_path):
   )
   assert meta["step"] == 20
   np.testing.assert_array_equal(restored["w"], np.full(3, 20, np.float32))
+
+
+@pytest.mark.parametrize("contestant", ["normuon", "adamuon"])
+def test_the_adaptive_contestants_run_with_the_example_muon_settings(
+  tmp_path, contestant
+):
+  final, run_dir = compare_lib.run_one(
+    SMALL + ["train.steps=4", "train.eval_every=4"],
+    contestant,
+    1e-3,
+    0,
+    tmp_path,
+    False,
+  )
+  settings = json.loads((run_dir / "config.json").read_text())["optim"]
+  assert settings["optimizer"] == "adaptive_muon"
+  assert settings["adaptive_muon_moment2_method"] == contestant
+  assert settings["muon_match_adamw_update_rms"]  # as the muon contestant
+  info = json.loads((run_dir / "run.json").read_text())
+  assert info["ns_flops_per_step"] > 0  # its Newton–Schulz is counted
+  assert np.isfinite(final["final_val_loss"])

@@ -3,9 +3,11 @@
     python -m examples.flax_lm.compare                 # tiny preset, ~4 minutes
     python -m examples.flax_lm.compare preset=small    # the README's table
 
-Three contestants: ``muon`` (optax_muon through ``MuonConfig``), ``optax``
+Five contestants: ``muon`` (optax_muon through ``MuonConfig``), ``optax``
 (``optax.contrib.muon`` as a user calls it: its defaults, the example's lr
-schedule, weight decay and clipping) and ``adam`` (AdamW). Each sweeps its
+schedule, weight decay and clipping), ``adam`` (AdamW), and ``normuon`` and
+``adamuon`` (``MuonConfig(optimizer="adaptive_muon")`` with the example's
+Muon settings). ``--lrs`` runs a subset. Each sweeps its
 own lrs with two seeds (model init and batches) and is ranked by the mean
 final validation loss; a sweep whose best lr is at an edge is extended past it
 (×2 or ÷2) until the best is inside, at most ``MAX_EXTENSIONS`` times.
@@ -30,22 +32,36 @@ from examples.flax_lm import config as config_lib
 from examples.flax_lm import progress
 from examples.flax_lm import train as train_lib
 
+ADAPTIVE = "optim.optimizer=adaptive_muon"
 CONTESTANTS = {
   "adam": ("optim.optimizer=adam",),
   "muon": ("optim.optimizer=muon",),
   "optax": ("optim.optimizer=muon", "train.muon_impl=optax.contrib"),
+  "normuon": (ADAPTIVE, "optim.adaptive_muon_moment2_method=normuon"),
+  "adamuon": (ADAPTIVE, "optim.adaptive_muon_moment2_method=adamuon"),
 }
-LABELS = {"adam": "AdamW", "muon": "optax_muon", "optax": "optax.contrib.muon"}
+LABELS = {
+  "adam": "AdamW",
+  "muon": "optax_muon",
+  "optax": "optax.contrib.muon",
+  "normuon": "NorMuon (optax_muon)",
+  "adamuon": "AdaMuon (optax_muon)",
+}
 SWEEPS = {
   "tiny": {
     "adam": (3e-3, 1e-2, 2e-2),
     "muon": (3e-3, 1e-2, 2e-2),
     "optax": (1e-2, 2e-2, 4e-2),
+    "normuon": (3e-3, 1e-2, 2e-2),
+    # AdaMuon divides by √v elementwise: its steps are ~10× Muon's at one lr
+    "adamuon": (3e-4, 1e-3, 2e-3),
   },
   "small": {
     "adam": (1e-3, 2e-3, 4e-3),
     "muon": (4e-3, 8e-3, 1.6e-2),
     "optax": (4e-3, 8e-3, 1.6e-2),
+    "normuon": (4e-3, 8e-3, 1.6e-2),
+    "adamuon": (4e-4, 8e-4, 1.6e-3),
   },
 }
 SEEDS = (0, 1)

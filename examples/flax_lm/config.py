@@ -14,6 +14,8 @@ from optax_muon.config import parse_fields
 from optax_muon.config import split_overrides
 
 MUON_IMPLS = ("optax_muon", "optax.contrib")
+# optimizers with a Newton–Schulz step (and the example's Muon settings)
+MUON_OPTIMIZERS = ("muon", "adaptive_muon")
 
 
 def check_at_least(section: str, config, minimum: float, names) -> None:
@@ -142,8 +144,8 @@ def parse_sections(
   ``classes`` maps section names (``model``, ``train``, ...) to dataclasses;
   any other dotted path ending in a ``MuonConfig`` field (verl's
   ``actor_rollout_ref.actor.optim.lr``) goes to ``optim``, over
-  ``optim_defaults``, the preset's ``optim``, and for ``optimizer=muon``
-  ``muon_defaults``.
+  ``optim_defaults``, the preset's ``optim``, and for ``optimizer=muon`` or
+  ``adaptive_muon`` ``muon_defaults``.
   """
   values = split_overrides(overrides)
   preset = values.pop("preset", next(iter(presets)))
@@ -171,7 +173,8 @@ def parse_sections(
   # typed, and a field given under two verl prefixes raises
   optim = parse_fields(MuonConfig, optim)
   defaults = dict(optim_defaults, **presets[preset].get("optim", {}))
-  if optim.get("optimizer", defaults.get("optimizer")) == "muon":
+  optimizer = optim.get("optimizer", defaults.get("optimizer"))
+  if optimizer in MUON_OPTIMIZERS:
     defaults.update(muon_defaults)
   built = {
     name: cls(**parse_fields(cls, sections[name]))

@@ -208,7 +208,7 @@ def build(cfg: config_lib.RunConfig, mesh=None):
   muon_groups = {
     key: matrix_group(path)
     for key, (path, label) in named_leaves(labels).items()
-    if label == "muon" and cfg.optim.optimizer == "muon"
+    if label == "muon" and cfg.optim.optimizer in config_lib.MUON_OPTIMIZERS
   }
 
   def loss_fn(params, inputs, targets):
@@ -279,7 +279,7 @@ def train(
     cfg, mesh
   )
   if (
-    cfg.optim.optimizer == "muon"
+    cfg.optim.optimizer in config_lib.MUON_OPTIMIZERS
     and cfg.train.muon_impl == "optax_muon"
     and jax.process_index() == 0
   ):
@@ -335,7 +335,7 @@ def train(
   )
   ns_flops = (
     newton_schulz_flops(params, labels, ns_steps)
-    if cfg.optim.optimizer == "muon"
+    if cfg.optim.optimizer in config_lib.MUON_OPTIMIZERS
     else 0.0
   )
   model_flops = (
