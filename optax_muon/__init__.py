@@ -35,6 +35,7 @@ from optax_muon.qk_clip import qk_clip
 from optax_muon.scaling import adamw_rms_match_factor
 from optax_muon.scaling import scale_by_shape
 from optax_muon.scaling import scale_factor
+from optax_muon.scion import scion
 from optax_muon.sharding import TensorParallel
 from optax_muon.sharding import zero1_sharding
 from optax_muon.spectral import add_spectral_clipped_weight_decay
@@ -80,6 +81,7 @@ __all__ = (
   "scale_by_polargrad",
   "scale_by_shape",
   "scale_factor",
+  "scion",
   "singular_value_spread",
   "spectral_clip",
   "spectral_clipped_weight_decay",
