@@ -132,7 +132,9 @@ def test_the_api_reference_lists_every_public_name():
   from optax_muon import compat
 
   api = (ROOT / "docs" / "api.md").read_text()
-  documented = set(re.findall(r"^```\{auto\w+\} ([\w.]+)$", api, re.M))
+  documented = set(
+    re.findall(r"^\.\. (?:auto\w+|py:\w+):: ([\w.]+)$", api, re.M)
+  )
   public = {f"optax_muon.{name}" for name in om.__all__ if name != "compat"}
   public |= {f"optax_muon.compat.{name}" for name in compat.__all__}
   assert public <= documented, sorted(public - documented)
