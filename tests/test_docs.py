@@ -140,20 +140,34 @@ def test_the_api_reference_lists_every_public_name():
   assert public <= documented, sorted(public - documented)
 
 
-def test_the_small_table_is_the_recorded_comparison():
-  """The `small` table quotes results/small/summary.json (compare.py's output)
-  to the digits shown: each sweep point, the best lr and the ratios."""
+ROWS = {
+  "AdamW": "adam",
+  "`optax.contrib.muon`": "optax",
+  "optax_muon": "muon",
+  "NorMuon": "normuon",
+  "AdaMuon": "adamuon",
+}
+
+
+@pytest.mark.parametrize(
+  "heading, recorded_in, contestants",
+  [
+    ("### Five contestants on the `tiny` preset", "tiny_five", 5),
+    ("### Three contestants on the `small` preset", "small", 3),
+  ],
+)
+def test_the_comparison_tables_are_the_recorded_ones(
+  heading, recorded_in, contestants
+):
+  """Each table of docs/examples.md quotes its compare.py summary.json to
+  the digits shown: each sweep point, the best lr and the ratios."""
   summary = json.loads(
-    (ROOT / "results" / "small" / "summary.json").read_text()
+    (ROOT / "results" / recorded_in / "summary.json").read_text()
   )
   page = (ROOT / "docs" / "examples.md").read_text()
-  section = page.split("### Three contestants on the `small` preset")[1]
+  section = page.split(heading)[1]
   section = section.split("\n#")[0]
-  rows = {
-    "AdamW": "adam",
-    "`optax.contrib.muon`": "optax",
-    "optax_muon": "muon",
-  }
+  rows = dict(list(ROWS.items())[:contestants])
   seen = set()
   for line in section.splitlines():
     cells = [cell.strip() for cell in line.strip("|").split("|")]
