@@ -393,7 +393,9 @@ def test_checkpointer_keeps_the_best_besides_the_latest(tmp_path):
   np.testing.assert_array_equal(restored["w"], np.full(3, 20, np.float32))
 
 
-@pytest.mark.parametrize("contestant", ["normuon", "adamuon"])
+@pytest.mark.parametrize(
+  "contestant", ["normuon", pytest.param("adamuon", marks=pytest.mark.slow)]
+)
 def test_the_adaptive_contestants_run_with_the_example_muon_settings(
   tmp_path, contestant
 ):
