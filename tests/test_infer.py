@@ -32,7 +32,7 @@ def _muon_update(params, layout, grads):
   tx = om.muon(
     1.0, labels=layout.labels, dimension_numbers=layout.dimension_numbers
   )
-  updates, _ = tx.update(grads, tx.init(params), params)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   return updates
 
 
