@@ -32,7 +32,8 @@ def main():
   states, samples = {}, {}
   for optimizer in ("muon", "adam"):
     cfg = config_lib.run_config(overrides + [f"optim.optimizer={optimizer}"])
-    _, params, _, opt_state, step, _, _ = train_lib.build(cfg)
+    built = train_lib.build(cfg)
+    params, opt_state, step = built.params, built.opt_state, built.train_step
     batch = corpus.batch("train", 0, cfg.train.batch_size, cfg.model.block_size)
     params, opt_state, _ = step(params, opt_state, *batch)  # compile
     states[optimizer] = [step, params, opt_state, batch]

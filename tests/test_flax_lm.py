@@ -11,6 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 
+import optax_muon as om
 from conftest import ROOT
 from examples.flax_lm import checkpoint as checkpoint_lib
 from examples.flax_lm import compare as compare_lib
@@ -44,14 +45,15 @@ def _run_in_subprocess(overrides, kill_at_step=None, resume=False):
       kill_at = {kill_at_step!r}
       build = train.build
       def killing_build(cfg, mesh=None):
-        *head, step, evaluate, labels = build(cfg, mesh)
+        built = build(cfg, mesh)
+        step = built.train_step
         calls = [0]
         def step_then_maybe_die(*args):
           if kill_at is not None and calls[0] == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
           calls[0] += 1
           return step(*args)
-        return (*head, step_then_maybe_die, evaluate, labels)
+        return built._replace(train_step=step_then_maybe_die)
       train.build = killing_build
       train.main({list(overrides) + (["--resume"] if resume else [])!r})
   """)
@@ -397,8 +399,16 @@ def test_checkpointer_keeps_the_best_besides_the_latest(tmp_path):
   "contestant", ["normuon", pytest.param("adamuon", marks=pytest.mark.slow)]
 )
 def test_the_adaptive_contestants_run_with_the_example_muon_settings(
-  tmp_path, contestant
+  tmp_path, contestant, monkeypatch
 ):
+  layouts = []
+  infer_layout = om.infer_layout
+
+  def counted_infer_layout(*args, **kwargs):
+    layouts.append(infer_layout(*args, **kwargs))
+    return layouts[-1]
+
+  monkeypatch.setattr(om, "infer_layout", counted_infer_layout)
   final, run_dir = compare_lib.run_one(
     SMALL + ["train.steps=4", "train.eval_every=4"],
     contestant,
@@ -414,3 +424,5 @@ def test_the_adaptive_contestants_run_with_the_example_muon_settings(
   info = json.loads((run_dir / "run.json").read_text())
   assert info["ns_flops_per_step"] > 0  # its Newton–Schulz is counted
   assert np.isfinite(final["final_val_loss"])
+  # the model is traced once: the describe log reuses the optimizer's layout
+  assert len(layouts) == 1

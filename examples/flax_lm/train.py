@@ -19,6 +19,9 @@ import pathlib
 import re
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -185,7 +188,21 @@ def layout_of(cfg: config_lib.RunConfig, model: GPT) -> om.Layout:
   )
 
 
-def build(cfg: config_lib.RunConfig, mesh=None):
+class Built(NamedTuple):
+  """What ``build`` makes for a run: ``labels`` is the routing of either Muon
+  implementation, ``layout`` what ``om.infer_layout`` read from the model."""
+
+  graphdef: Any
+  params: Any
+  tx: optax.GradientTransformation
+  opt_state: Any
+  train_step: Callable
+  eval_loss: Callable
+  labels: Any
+  layout: om.Layout
+
+
+def build(cfg: config_lib.RunConfig, mesh=None) -> Built:
   """Model graph, params, optimizer, its state, and the jitted step/eval."""
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     model = GPT(cfg.model, nnx.Rngs(cfg.train.seed))
@@ -239,7 +256,9 @@ def build(cfg: config_lib.RunConfig, mesh=None):
     return params, opt_state, metrics
 
   eval_loss = jax.jit(lambda *args: loss_fn(*args)[0])
-  return graphdef, params, tx, tx.init(params), train_step, eval_loss, labels
+  return Built(
+    graphdef, params, tx, tx.init(params), train_step, eval_loss, labels, layout
+  )
 
 
 def evaluate(eval_loss, params, corpus, cfg) -> float:
@@ -275,9 +294,9 @@ def train(
   out = pathlib.Path(cfg.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   corpus = ByteCorpus(cfg.train.data, max_bytes=cfg.train.max_bytes)
-  graphdef, params, _, opt_state, train_step, eval_loss, labels = build(
-    cfg, mesh
-  )
+  built = build(cfg, mesh)
+  params, opt_state, labels = built.params, built.opt_state, built.labels
+  train_step, eval_loss = built.train_step, built.eval_loss
   if (
     cfg.optim.optimizer in config_lib.MUON_OPTIMIZERS
     and cfg.train.muon_impl == "optax_muon"
@@ -291,7 +310,7 @@ def train(
         params,
         split_qkv=split,
         split_gate_up=gate_up,
-        layout=layout_of(cfg, nnx.merge(graphdef, params)),
+        layout=built.layout,
       ),
     )
   if mesh is not None:  # batches split over the data axis
