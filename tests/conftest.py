@@ -63,3 +63,41 @@ def golden():
 @pytest.fixture(scope="session")
 def reference_coefficients():
   return json.loads((DATA / "coefficients.json").read_text())
+
+
+# -- the EO-family parity tests -----------------------------------------------
+
+EO_ORIENTATIONS = ("torch", "flax")
+
+
+def eo_orientation(orientation):
+  """``(turn, dimension_numbers)`` for a weight EO keeps as torch ``(out,
+  in)``: ``turn`` maps it to the tested orientation (a Flax kernel is its
+  transpose) and back, and the dimension numbers name that orientation's
+  fan-in axis."""
+  import optax_muon as om  # noqa: PLC0415  (conftest loads before the tests)
+
+  if orientation == "torch":
+    return np.asarray, om.MuonDimensionNumbers((1,), (0,))
+  return (
+    lambda x: np.swapaxes(np.asarray(x), -1, -2),
+    om.MuonDimensionNumbers((0,), (1,)),
+  )
+
+
+def eo_steps(tx, case, inputs, turn):
+  """Runs ``tx`` (jitted) over an EO case's steps from its recorded weight
+  ``W0`` and per-step gradients in ``inputs``, turned to the tested
+  orientation; yields ``(k, weight_before, gradient, update, state,
+  weight_after)`` after each step, arrays of the one leaf ``"w"``."""
+  import optax  # noqa: PLC0415
+
+  params = {"w": jnp.asarray(turn(inputs[f"{case['input']}/W0"]))}
+  grads = inputs[f"{case['input']}/grads"]
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for k in range(case["n_steps"]):
+    before, gradient = params["w"], jnp.asarray(turn(grads[k]))
+    updates, state = update({"w": gradient}, state, params)
+    params = optax.apply_updates(params, updates)
+    yield k, before, gradient, updates["w"], state, params["w"]

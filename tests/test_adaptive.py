@@ -7,12 +7,14 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import optax_muon as om
 from conftest import DATA
+from conftest import EO_ORIENTATIONS
 from conftest import close_to_max as _close
+from conftest import eo_orientation
+from conftest import eo_steps
 from conftest import gaussian
 
 REFERENCE = json.loads((DATA / "eo_adaptive_muon.json").read_text())
@@ -21,10 +23,8 @@ CASES = {case["id"]: case for case in REFERENCE["cases"]}
 MDN = om.MuonDimensionNumbers
 
 
-def _optimizer(case, orientation):
+def _optimizer(case, dims):
   kw = case["effective_kwargs"]
-  # a torch weight is (out, in): fan-in is axis 1; a Flax kernel is W.T
-  dims = MDN((1,), (0,)) if orientation == "torch" else MDN((0,), (1,))
   return om.adaptive_muon(
     kw["lr"],
     moment2_method=kw["moment2_method"],
@@ -43,26 +43,16 @@ def _optimizer(case, orientation):
   )
 
 
-@pytest.mark.parametrize("orientation", ["torch", "flax"])
+@pytest.mark.parametrize("orientation", EO_ORIENTATIONS)
 @pytest.mark.parametrize("case_id", sorted(CASES))
 def test_every_adaptive_muon_case_matches_eo(case_id, orientation):
   case = CASES[case_id]
-  turn = (
-    (lambda x: np.asarray(x))
-    if orientation == "torch"
-    else (lambda x: np.swapaxes(np.asarray(x), -1, -2))
-  )
-  tx = _optimizer(case, orientation)
-  params = {"w": jnp.asarray(turn(ARRAYS[f"{case['input']}/W0"]))}
-  grads = ARRAYS[f"{case['input']}/grads"]
-  state = tx.init(params)
-  update = jax.jit(tx.update)
+  turn, dims = eo_orientation(orientation)
   kw = case["effective_kwargs"]
-  for k in range(case["n_steps"]):
+  for k, before, gradient, update, state, param in eo_steps(
+    _optimizer(case, dims), case, ARRAYS, turn
+  ):
     step = lambda key: ARRAYS[f"{case_id}/{k}/{key}"]
-    g = {"w": jnp.asarray(turn(grads[k]))}
-    updates, state = update(g, state, params)
-    params = optax.apply_updates(params, updates)
     inner = state.inner_states["muon"].inner_state[0]
     momentum = inner.momentum.mu["w"]
     moment2 = inner.moment2.moment2["w"][0][0]
@@ -71,7 +61,7 @@ def test_every_adaptive_muon_case_matches_eo(case_id, orientation):
     # buffer (out, in), (out, 1) or (1, in) transposed
     _close(moment2, step("moment2_buffer").T, 1e-5)
     direction = (
-      (1 - kw["momentum"]) * g["w"] + kw["momentum"] * momentum
+      (1 - kw["momentum"]) * gradient + kw["momentum"] * momentum
       if (kw["nesterov"])
       else momentum
     )
@@ -80,14 +70,11 @@ def test_every_adaptive_muon_case_matches_eo(case_id, orientation):
     # 1.6e-2 from float64 there (its checks say so)
     loose = 2e-2 if case["method"] == "adamuon" else 1e-5
     _close(
-      turn(
-        -updates["w"] / kw["lr"]
-        - kw["weight_decay"] * (params["w"] - updates["w"])
-      ),
+      turn(-update / kw["lr"] - kw["weight_decay"] * before),
       step("update"),
       loose,
     )
-    _close(turn(params["w"]), step("param"), loose)
+    _close(turn(param), step("param"), loose)
 
 
 def test_normuon_averages_over_the_shorter_axis():

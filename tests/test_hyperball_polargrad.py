@@ -3,7 +3,6 @@ outputs (tests/data/eo_muon_hyperball.*; inputs shared with eo_adaptive_muon.npz
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -11,27 +10,24 @@ import pytest
 
 import optax_muon as om
 from conftest import DATA
+from conftest import EO_ORIENTATIONS
 from conftest import close_to_max as _close
+from conftest import eo_orientation
+from conftest import eo_steps
 from conftest import gaussian
 
 REFERENCE = json.loads((DATA / "eo_muon_hyperball.json").read_text())
 ARRAYS = np.load(DATA / "eo_muon_hyperball.npz")
 INPUTS = np.load(DATA / "eo_adaptive_muon.npz")
 CASES = {case["id"]: case for case in REFERENCE["cases"]}
-MDN = om.MuonDimensionNumbers
 
 
-@pytest.mark.parametrize("orientation", ["torch", "flax"])
+@pytest.mark.parametrize("orientation", EO_ORIENTATIONS)
 @pytest.mark.parametrize("case_id", sorted(CASES))
 def test_every_muon_hyperball_case_matches_eo(case_id, orientation):
   case = CASES[case_id]
   kw = case["effective_kwargs"]
-  turn = (
-    (lambda x: np.asarray(x))
-    if orientation == "torch"
-    else (lambda x: np.swapaxes(np.asarray(x), -1, -2))
-  )
-  dims = MDN((1,), (0,)) if orientation == "torch" else MDN((0,), (1,))
+  turn, dims = eo_orientation(orientation)
   tx = om.muon_hyperball(
     kw["lr"],
     radius=kw["hyperball_radius"],
@@ -43,18 +39,12 @@ def test_every_muon_hyperball_case_matches_eo(case_id, orientation):
     labels={"w": "muon"},
     dimension_numbers={"w": dims},
   )
-  params = {"w": jnp.asarray(turn(INPUTS[f"{case['input']}/W0"]))}
-  grads = INPUTS[f"{case['input']}/grads"]
-  state = tx.init(params)
-  update = jax.jit(tx.update)
-  for k in range(case["n_steps"]):
-    updates, state = update({"w": jnp.asarray(turn(grads[k]))}, state, params)
-    params = optax.apply_updates(params, updates)
+  for k, _, _, _, state, param in eo_steps(tx, case, INPUTS, turn):
     step = lambda key: ARRAYS[f"{case_id}/{k}/{key}"]
-    _close(turn(params["w"]), step("param"))
+    _close(turn(param), step("param"))
     # the applied step keeps the norm: the radius EO used this step
     np.testing.assert_allclose(
-      float(jnp.linalg.norm(params["w"])),
+      float(jnp.linalg.norm(param)),
       float(step("hyperball_R")[0]),
       rtol=1e-5,
     )
@@ -82,16 +72,11 @@ POLARGRAD = json.loads((DATA / "eo_polargrad.json").read_text())["cases"]
 POLARGRAD_ARRAYS = np.load(DATA / "eo_polargrad.npz")
 
 
-@pytest.mark.parametrize("orientation", ["torch", "flax"])
+@pytest.mark.parametrize("orientation", EO_ORIENTATIONS)
 @pytest.mark.parametrize("case", POLARGRAD, ids=[c["id"] for c in POLARGRAD])
 def test_every_polargrad_case_matches_eo(case, orientation):
   kw = case["effective_kwargs"]
-  turn = (
-    (lambda x: np.asarray(x))
-    if orientation == "torch"
-    else (lambda x: np.swapaxes(np.asarray(x), -1, -2))
-  )
-  dims = MDN((1,), (0,)) if orientation == "torch" else MDN((0,), (1,))
+  turn, dims = eo_orientation(orientation)
   tx = om.polargrad(
     kw["lr"],
     beta=kw["momentum"],
@@ -100,18 +85,10 @@ def test_every_polargrad_case_matches_eo(case, orientation):
     labels={"w": "muon"},
     dimension_numbers={"w": dims},
   )
-  params = {"w": jnp.asarray(turn(INPUTS[f"{case['input']}/W0"]))}
-  grads = INPUTS[f"{case['input']}/grads"]
-  state = tx.init(params)
-  for k in range(case["n_steps"]):
-    before = params["w"]
-    updates, state = tx.update(
-      {"w": jnp.asarray(turn(grads[k]))}, state, params
-    )
-    params = optax.apply_updates(params, updates)
+  for k, before, _, update, _, param in eo_steps(tx, case, INPUTS, turn):
     step = lambda key: POLARGRAD_ARRAYS[f"{case['id']}/{k}/{key}"]
-    _close(turn(params["w"]), step("param"))
+    _close(turn(param), step("param"))
     _close(
-      turn(-updates["w"] / kw["lr"] - kw["weight_decay"] * before),
+      turn(-update / kw["lr"] - kw["weight_decay"] * before),
       step("update"),
     )

@@ -3,33 +3,28 @@
 
 import json
 
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import optax_muon as om
 from conftest import DATA
+from conftest import EO_ORIENTATIONS
 from conftest import close_to_max
+from conftest import eo_orientation
+from conftest import eo_steps
 
-MDN = om.MuonDimensionNumbers
 REFERENCE = json.loads((DATA / "eo_scion.json").read_text())["cases"]
 ARRAYS = np.load(DATA / "eo_scion.npz")
 INPUTS = np.load(DATA / "eo_adaptive_muon.npz")
 
 
-@pytest.mark.parametrize("orientation", ["torch", "flax"])
+@pytest.mark.parametrize("orientation", EO_ORIENTATIONS)
 @pytest.mark.parametrize("case", REFERENCE, ids=[c["id"] for c in REFERENCE])
 def test_every_scion_case_matches_eo(case, orientation):
   # 32x48 and 48x32: the unit_rms_norm scale √(out/in) is not symmetric, so
   # a wrong fan-in/fan-out reading fails one of them
   kw = case["effective_kwargs"]
-  turn = (
-    (lambda x: np.asarray(x))
-    if orientation == "torch"
-    else (lambda x: np.swapaxes(np.asarray(x), -1, -2))
-  )
-  dims = MDN((1,), (0,)) if orientation == "torch" else MDN((0,), (1,))
+  turn, dims = eo_orientation(orientation)
   tx = om.scion(
     kw["lr"],
     beta=kw["momentum"],
@@ -40,19 +35,11 @@ def test_every_scion_case_matches_eo(case, orientation):
     labels={"w": "muon"},
     dimension_numbers={"w": dims},
   )
-  params = {"w": jnp.asarray(turn(INPUTS[f"{case['input']}/W0"]))}
-  grads = INPUTS[f"{case['input']}/grads"]
-  state = tx.init(params)
-  for k in range(case["n_steps"]):
-    before = params["w"]
-    updates, state = tx.update(
-      {"w": jnp.asarray(turn(grads[k]))}, state, params
-    )
-    params = optax.apply_updates(params, updates)
+  for k, before, _, update, _, param in eo_steps(tx, case, INPUTS, turn):
     step = lambda key: ARRAYS[f"{case['id']}/{k}/{key}"]
-    close_to_max(turn(params["w"]), step("param"))
+    close_to_max(turn(param), step("param"))
     # EO records the direction; the step is p <- (1 - lr) p - lr * direction
-    close_to_max(turn(-updates["w"] / kw["lr"] - before), step("update"))
+    close_to_max(turn(-update / kw["lr"] - before), step("update"))
 
 
 def test_scion_fixes_what_defines_it():
