@@ -51,7 +51,10 @@ class Moment2State(NamedTuple):
   moment2: Any
 
 
-def _moment2_shape(method: str, count: int, fan_in: int, fan_out: int):
+def moment2_shape(method: str, count: int, fan_in: int, fan_out: int):
+  """The second moment kept for ``count`` matrices ``fan_in × fan_out``:
+  elementwise (adamuon), one per unit of the longer axis, averaged over the
+  shorter one (normuon, as EO does), or one scalar per matrix (namo)."""
   if method == "adamuon":
     return (count, fan_in, fan_out)
   if method == "normuon":
@@ -113,7 +116,7 @@ def scale_by_moment2(
       count = int(np.prod(view.batch_shape))
       moments.append(
         tuple(
-          jnp.zeros(_moment2_shape(method, count, fan_in, fan_out), jnp.float32)
+          jnp.zeros(moment2_shape(method, count, fan_in, fan_out), jnp.float32)
           for fan_in, fan_out in view.matrix_shapes
         )
       )

@@ -24,6 +24,7 @@ default view, with role ``unknown`` and the operation named in its reason.
 """
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Set as AbstractSet
@@ -37,6 +38,7 @@ from optax.contrib import MuonDimensionNumbers
 from optax_muon import _checks
 from optax_muon import _paths
 from optax_muon import _uses
+from optax_muon import adaptive
 from optax_muon import alias
 from optax_muon import labels as labels_lib
 from optax_muon import layout as layout_lib
@@ -332,16 +334,20 @@ def _is_nnx_module(value) -> bool:
   )
 
 
-def _table(rows, scale_of=scaling.scale_factor) -> str:
+def _table(rows, scale_of=scaling.scale_factor, moment2_of=None) -> str:
   """One aligned line per leaf: path, shape, role, optimizer, matrices,
-  scale (``scale_of(fan_out, fan_in)``, spectral by default), and the rule
-  that decided when rows carry one."""
-  header = ("path", "shape", "role", "optimizer", "matrices", "scale", "rule")
+  scale (``scale_of(fan_out, fan_in)``, spectral by default), with
+  ``moment2_of`` the second moment's shape (``moment2_of(count, fan_in,
+  fan_out)``), and the rule that decided when rows carry one."""
+  header = ["path", "shape", "role", "optimizer", "matrices", "scale"]
+  header += ["second moment"] if moment2_of is not None else []
   lines = []
   for path, leaf, role, label, view, *reason in rows:
     shape = "×".join(map(str, jnp.shape(leaf))) or "scalar"
+    moment2 = []
     if view is None:
       matrices, scale = "—", "—"
+      moment2 = ["—"] if moment2_of is not None else []
     else:
       count = math.prod(view.batch_shape)
       pieces = view.matrix_shapes
@@ -351,10 +357,18 @@ def _table(rows, scale_of=scaling.scale_factor) -> str:
       scale = " + ".join(
         f"{scale_of(fan_out, fan_in):.3g}" for fan_in, fan_out in pieces
       )
+      if moment2_of is not None:
+        moment2 = [
+          " + ".join(
+            " × ".join(map(str, moment2_of(count, fan_in, fan_out)))
+            for fan_in, fan_out in pieces
+          )
+        ]
     lines.append(
-      (_paths.path_string(path), shape, role, label, matrices, scale, *reason)
+      (_paths.path_string(path), shape, role, label, matrices, scale)
+      + (*moment2, *reason)
     )
-  lines.insert(0, header[: len(lines[0]) if lines else 6])
+  lines.insert(0, tuple(header + ["rule"])[: len(lines[0]) if lines else 6])
   widths = [max(len(line[c]) for line in lines) for c in range(len(lines[0]))]
   return "\n".join(
     "  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
@@ -374,21 +388,26 @@ def describe(
   match_adamw_update_rms: bool = False,
   extra_scale_factor=None,
   adam_b1=0.9,
+  moment2_method: str | None = None,
 ) -> str:
   """The routing table for the given ``om.muon`` settings (defaults
   included): what each leaf gets before training starts.
 
   ``labels``, ``dimension_numbers``, ``split_qkv``, ``split_gate_up``,
   ``layout``, ``scale_mode``, ``match_adamw_update_rms``,
-  ``extra_scale_factor`` and ``adam_b1`` are as in ``om.muon``.
+  ``extra_scale_factor`` and ``adam_b1`` are as in ``om.muon``;
+  ``moment2_method`` as in ``om.adaptive_muon``.
 
   Args:
     params: the parameter tree (arrays, shape structs or ``nnx.State``).
 
   Returns:
     The table, as a string with columns path, shape, role, optimizer,
-    matrices as ``count × fan_in × fan_out`` (one term per ``split_qkv`` piece), and the
-    scale each matrix's update gets (shape scale × extra factor).
+    matrices as ``count × fan_in × fan_out`` (one term per ``split_qkv``
+    piece), the scale each matrix's update gets (shape scale × extra
+    factor), and with ``moment2_method`` the shape of the second moment
+    ``om.adaptive_muon`` keeps for it, in the same ``count × fan_in ×
+    fan_out`` terms (NorMuon's ``1`` is the axis it averages over).
 
   Raises:
     ValueError: what ``om.muon`` would raise at ``init`` for these settings
@@ -398,6 +417,10 @@ def describe(
     layout, labels, dimension_numbers
   )
   _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
+  if moment2_method is not None:
+    _checks.check_choice(
+      "moment2_method", moment2_method, adaptive.MOMENT2_METHODS
+    )
   extra = alias.resolve_extra_scale_factor(
     extra_scale_factor, match_adamw_update_rms, adam_b1
   )
@@ -434,4 +457,7 @@ def describe(
     lambda fan_out, fan_in: (
       float(extra) * (scaling.scale_factor(fan_out, fan_in, scale_mode))
     ),
+    moment2_of=None
+    if moment2_method is None
+    else functools.partial(adaptive.moment2_shape, moment2_method),
   )

@@ -300,3 +300,29 @@ def test_the_second_moment_adds_only_small_reductions(mode):
       "reduce-scatter",
     ):
       assert got[name] == muon[name], (method, name, got, muon)
+
+
+@pytest.mark.parametrize("method", ["adamuon", "normuon", "namo"])
+def test_describe_shows_the_second_moment_adaptive_muon_keeps(method):
+  params = {
+    "wide": jnp.zeros((16, 40)),
+    "tall": jnp.zeros((40, 16)),
+    "stacked": jnp.zeros((3, 24, 8)),
+    "bias": jnp.zeros(8),
+  }
+  dims = {"stacked": MDN((1,), (2,))}
+  state = om.adaptive_muon(
+    1e-2, moment2_method=method, dimension_numbers=dims
+  ).init(params)
+  kept = state.inner_states["muon"].inner_state[0].moment2.moment2
+  table = om.describe(params, dimension_numbers=dims, moment2_method=method)
+  column = {
+    line.split()[0]: line.rsplit("  ", 1)[-1].strip()
+    for line in table.splitlines()[1:]
+  }
+  for path in ("wide", "tall", "stacked"):
+    (moment,) = kept[path]  # one piece: no split
+    assert column[path] == " × ".join(map(str, moment.shape)), table
+  assert column["bias"] == "—"
+  with pytest.raises(ValueError, match="moment2_method"):
+    om.describe(params, dimension_numbers=dims, moment2_method="adam")

@@ -311,6 +311,9 @@ def train(
         split_qkv=split,
         split_gate_up=gate_up,
         layout=built.layout,
+        moment2_method=cfg.optim.adaptive_muon_moment2_method
+        if cfg.optim.optimizer == "adaptive_muon"
+        else None,
       ),
     )
   if mesh is not None:  # batches split over the data axis
