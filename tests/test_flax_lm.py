@@ -242,6 +242,7 @@ def test_compare_runs_three_contestants(tmp_path, monkeypatch, capsys):
   for run in ("adam-lr0.003", "muon-lr0.01", "optax-lr0.02"):
     assert f"tiny-{run}-seed0: val loss " in shown, run
   # a second call reuses every finished run: nothing is trained again
+  train = compare_lib.train_lib.train
   monkeypatch.setattr(compare_lib.train_lib, "train", None)
   again = compare_lib.compare(
     SMALL + ["train.steps=8", "train.eval_every=4"],
@@ -251,6 +252,38 @@ def test_compare_runs_three_contestants(tmp_path, monkeypatch, capsys):
   )
   assert again["best"] == summary["best"]
   assert capsys.readouterr().out.count("(reused)") == 3
+  # sweeping one more contestant keeps the three recorded ones, and its
+  # ratios are against the recorded AdamW
+  monkeypatch.setattr(compare_lib.train_lib, "train", train)
+  more = compare_lib.compare(
+    SMALL + ["train.steps=8", "train.eval_every=4"],
+    sweeps={"normuon": (1e-2,)},
+    out=tmp_path,
+    seeds=(0,),
+  )
+  assert more["best"] == summary["best"] | {"normuon": more["best"]["normuon"]}
+  assert more["sweep"][:3] == summary["sweep"]
+  assert more["vs_adam"]["muon"] == summary["vs_adam"]["muon"]
+  normuon = more["vs_adam"]["normuon"]
+  assert (
+    normuon["adam_final_val_loss"] == summary["best"]["adam"]["final_val_loss"]
+  )
+  curve = [
+    json.loads(l)
+    for l in (root / "normuon.jsonl").read_text().splitlines()
+    if "val_loss" in l
+  ]
+  reached = next(
+    (
+      r["step"]
+      for r in curve
+      if r["val_loss"] <= normuon["adam_final_val_loss"]
+    ),
+    None,
+  )
+  assert normuon["reaches_it"] == (reached is not None)
+  if reached is not None:
+    assert normuon["step_ratio"] == reached / 8
 
 
 def test_sweep_brackets_the_best_lr_and_averages_seeds(tmp_path, monkeypatch):

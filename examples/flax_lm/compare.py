@@ -12,6 +12,11 @@ own lrs with two seeds (model init and batches) and is ranked by the mean
 final validation loss; a sweep whose best lr is at an edge is extended past it
 (×2 or ÷2) until the best is inside, at most ``MAX_EXTENSIONS`` times.
 
+A call that sweeps only some contestants (``--lrs``) keeps the others from
+the ``summary.json`` an earlier call wrote there for the same preset, steps
+and seeds (unless ``--fresh``): their sweeps and ratios as recorded, the new
+ones' ratios against its AdamW's final loss.
+
 Writes ``results/<preset>/``: every run's ``metrics.jsonl`` under ``runs/``,
 each contestant's best run (seed 0) as ``<contestant>.jsonl``,
 ``summary.json`` (the sweeps, the best lrs, the step and FLOP ratios to AdamW's
@@ -68,13 +73,40 @@ SEEDS = (0, 1)
 MAX_EXTENSIONS = 3
 
 
-def _curve(run_dir: pathlib.Path) -> list[dict]:
+def _curve(metrics: pathlib.Path) -> list[dict]:
+  """The validation points of a run's ``metrics.jsonl``."""
   records = [
-    json.loads(l)
-    for l in (run_dir / "metrics.jsonl").read_text().splitlines()
-    if l.strip()
+    json.loads(l) for l in metrics.read_text().splitlines() if l.strip()
   ]
   return [r for r in records if "val_loss" in r]
+
+
+def _earlier_summary(path: pathlib.Path, summary: dict) -> dict | None:
+  """The summary an earlier call wrote to the same place for runs of the same
+  preset, steps and seeds, or None."""
+  if not path.exists():
+    return None
+  earlier = json.loads(path.read_text())
+  keys = ("preset", "steps", "seeds")
+  return earlier if all(earlier[k] == summary[k] for k in keys) else None
+
+
+def _recorded_adam(earlier: dict | None, runs: dict) -> dict | None:
+  """AdamW as an earlier summary recorded it: its seed-mean final loss at the
+  last step, and the model's FLOPs a step (AdamW has no Newton–Schulz; the
+  model is the same for every contestant of a preset)."""
+  if earlier is None or "adam" not in earlier["best"] or not runs:
+    return None
+  model_flops = next(iter(runs.values()))["info"]["model_flops_per_step"]
+  return {
+    "curve": [
+      {
+        "step": earlier["steps"],
+        "val_loss": earlier["best"]["adam"]["final_val_loss"],
+      }
+    ],
+    "info": {"model_flops_per_step": model_flops, "ns_flops_per_step": 0.0},
+  }
 
 
 def mean_curve(curves: list[list[dict]]) -> list[dict]:
@@ -130,13 +162,17 @@ def plot(runs: dict, path: pathlib.Path) -> None:
   fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
   for name, run in runs.items():
     curve, info = run["curve"], run["info"]
-    per_step = info["model_flops_per_step"] + info["ns_flops_per_step"]
-    label = f"{LABELS[name]} (lr {run['lr']:g})"
+    # a contestant kept from an earlier call: its seed-0 curve, no FLOPs
+    label = (
+      f"{LABELS[name]} (lr {run['lr']:g}{', seed 0' if info is None else ''})"
+    )
     steps = [r["step"] for r in curve]
     losses = [r["val_loss"] for r in curve]
     axes[0].plot(steps, losses, label=label)
     axes[1].plot([r.get("wall_time", 0.0) for r in curve], losses, label=label)
-    axes[2].plot([s * per_step for s in steps], losses, label=label)
+    if info is not None:
+      per_step = info["model_flops_per_step"] + info["ns_flops_per_step"]
+      axes[2].plot([s * per_step for s in steps], losses, label=label)
   for ax, xlabel in zip(
     axes,
     [
@@ -305,7 +341,7 @@ def compare(
     shutil.copy(dirs[0] / "metrics.jsonl", root / f"{contestant}.jsonl")
     runs[contestant] = {
       "lr": lr,
-      "curve": mean_curve([_curve(d) for d in dirs]),
+      "curve": mean_curve([_curve(d / "metrics.jsonl") for d in dirs]),
       "info": json.loads((dirs[0] / "run.json").read_text()),
     }
   summary = {
@@ -315,12 +351,32 @@ def compare(
     "sweep": sweep_table,
     "best": best,
   }
-  if "adam" in runs:
-    summary["vs_adam"] = {
-      name: match_ratios(run, runs["adam"])
-      for name, run in runs.items()
-      if name != "adam"
-    }
+  earlier = _earlier_summary(root / "summary.json", summary) if reuse else None
+  adam = runs.get("adam") or _recorded_adam(earlier, runs)
+  vs_adam = {
+    name: match_ratios(run, adam)
+    for name, run in runs.items()
+    if name != "adam" and adam is not None
+  }
+  if earlier is not None:  # keep the contestants this call did not sweep
+    kept = [name for name in earlier["best"] if name not in sweeps]
+    summary["sweep"] = [
+      row for row in earlier["sweep"] if row["optimizer"] in kept
+    ] + sweep_table
+    summary["best"] = {name: earlier["best"][name] for name in kept} | best
+    vs_adam = {
+      name: ratios
+      for name, ratios in earlier.get("vs_adam", {}).items()
+      if name in kept
+    } | vs_adam
+    for name in kept:  # their best run's curve (seed 0) for the plot
+      runs[name] = {
+        "lr": earlier["best"][name]["lr"],
+        "curve": _curve(root / f"{name}.jsonl"),
+        "info": None,  # their FLOPs a step are not recorded
+      }
+  if vs_adam:
+    summary["vs_adam"] = vs_adam
   runs_bar.close()
   (root / "summary.json").write_text(json.dumps(summary, indent=1))
   plot(runs, root / "val_loss.png")
