@@ -98,13 +98,16 @@ def test_readme_figures_are_the_recorded_ones():
   small = json.loads((ROOT / "results/small/summary.json").read_text())
   best = {
     name: f"{small['best'][name]['final_val_loss']:.3f}"
-    for name in ("adam", "optax", "muon")
+    for name in ("adam", "optax", "muon", "normuon", "adamuon")
   }
   assert (
     f"final validation loss {best['adam']} (AdamW), {best['optax']} "
-    f"(`optax.contrib.muon`),\n  **{best['muon']}** (optax_muon)"
+    f"(`optax.contrib.muon`),\n  {best['muon']} (optax_muon), "
+    f"**{best['normuon']}** (optax_muon's NorMuon), {best['adamuon']} "
+    "(its AdaMuon)"
   ) in measured
-  ratio = {small["vs_adam"][n]["step_ratio"] for n in ("optax", "muon")}
+  ratio = {small["vs_adam"][n]["step_ratio"] for n in small["vs_adam"]}
+  assert len(small["vs_adam"]) == 4
   assert ratio == {0.5} and "in 50% of the\n  steps" in measured
   for folder, pair in (
     ("qk_clip", "reaches {} without the clip and at most\n  {} with it"),
@@ -153,7 +156,7 @@ ROWS = {
   "heading, recorded_in, contestants",
   [
     ("### Five contestants on the `tiny` preset", "tiny_five", 5),
-    ("### Three contestants on the `small` preset", "small", 3),
+    ("### Five contestants on the `small` preset", "small", 5),
   ],
 )
 def test_the_comparison_tables_are_the_recorded_ones(
