@@ -73,7 +73,9 @@ def plot_run(metrics_path, png_path, title: str) -> None:
     for r in records:
       if "rollback_to" in r:
         ax.axvline(r["step"], color="red", alpha=0.4, linestyle="--")
-  axes[1, 1].set_yscale("log")
+  # a log scale needs a positive value (a short run's may all be zero)
+  if any(y > 0 for line in axes[1, 1].get_lines() for y in line.get_ydata()):
+    axes[1, 1].set_yscale("log")
   fig.suptitle(f"{title} (dashed red: a rollback to the best checkpoint)")
   fig.tight_layout()
   fig.savefig(png_path, dpi=100)
