@@ -12,6 +12,11 @@ COLLECTIVES = (
   "reduce-scatter",
 )
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_CALLEE = re.compile(
+  r"(body|condition|calls|to_apply|branch_computations)="
+  r"(\{[^}]*\}|%?[\w.\-]+)"
+)
 
 
 def _array_bytes(shape_text: str) -> int:
@@ -22,20 +27,70 @@ def _array_bytes(shape_text: str) -> int:
   return total
 
 
-def collective_bytes(hlo: str) -> dict:
-  """Bytes per collective kind, loop bodies counted trip-count times."""
-  trips = {}
-  for body, count in re.findall(
-    r"while\(.*?body=%?([\w.\-]+).*?known_trip_count\":\{\"n\":\"(\d+)\"", hlo
-  ):
-    trips[body] = int(count)
-  totals, computation = {k: 0 for k in COLLECTIVES}, None
+def _computations(hlo: str) -> tuple[dict, str | None]:
+  """``{name: [lines]}`` and the entry computation's name."""
+  bodies: dict = {}
+  entry, name = None, None
   for line in hlo.splitlines():
-    header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+    header = _HEADER.match(line)
     if header:
-      computation = header.group(1)
-    for kind in COLLECTIVES:
-      match = re.search(rf"= (\([^)]*\)|\S+) {kind}(-start)?\(", line)
-      if match:
-        totals[kind] += _array_bytes(match.group(1)) * trips.get(computation, 1)
+      name = header.group(1)
+      bodies[name] = []
+      if line.startswith("ENTRY"):
+        entry = name
+    elif name is not None:
+      bodies[name].append(line)
+  return bodies, entry
+
+
+def _trip_count(line: str, bodies: dict, condition: str) -> int:
+  """A while loop's trip count: XLA's ``known_trip_count`` where the backend
+  writes it (CPU, GPU), else the bound its condition compares against (the
+  TPU compiler's text has no trip counts; loops here start at 0)."""
+  known = re.search(r"known_trip_count\":\{\"n\":\"(\d+)\"", line)
+  if known:
+    return int(known.group(1))
+  bounds = [
+    int(c)
+    for text in bodies.get(condition, [])
+    for c in re.findall(r"= s32\[\]\S* constant\((\d+)\)", text)
+  ]
+  return max(bounds) if bounds else 1
+
+
+def collective_bytes(hlo: str) -> dict:
+  """Bytes per collective kind of one run of the module: each computation's
+  collectives times the number of times it runs (loop bodies their trip
+  count, nested loops the product)."""
+  bodies, entry = _computations(hlo)
+  if entry is None:
+    return {k: 0 for k in COLLECTIVES}
+  callers: dict = {}
+  for name, lines in bodies.items():
+    for line in lines:
+      condition = re.search(r"condition=%?([\w.\-]+)", line)
+      for kind, targets in _CALLEE.findall(line):
+        for target in re.findall(r"%?([\w.\-]+)", targets):
+          times = 1
+          if kind == "body" and condition:
+            times = _trip_count(line, bodies, condition.group(1))
+          callers.setdefault(target, []).append((name, times))
+  runs: dict = {entry: 1}
+
+  def runs_of(name):  # the call graph is acyclic
+    if name not in runs:
+      runs[name] = 0
+      runs[name] = sum(runs_of(c) * t for c, t in callers.get(name, []))
+    return runs[name]
+
+  totals = {k: 0 for k in COLLECTIVES}
+  for name, lines in bodies.items():
+    times = runs_of(name)
+    if not times:
+      continue
+    for line in lines:
+      for kind in COLLECTIVES:
+        match = re.search(rf"= (\([^)]*\)|\S+) {kind}(-start)?\(", line)
+        if match:
+          totals[kind] += _array_bytes(match.group(1)) * times
   return totals
