@@ -215,6 +215,7 @@ def scale_by_adaptive_muon(
   sharding=None,
   layout=None,
   split_gate_up=None,
+  memory_budget: int | None = None,
 ) -> optax.GradientTransformation:
   r"""AdaptiveMuon's direction: momentum, raw Newton–Schulz, second moment,
   then the shape scale (EO's order)::
@@ -227,7 +228,7 @@ def scale_by_adaptive_muon(
   ``nesterov``, ``momentum_style``, ``mu_dtype``, ``coefficients``,
   ``steps``, ``precision``, ``scale_mode``, ``extra_scale_factor``,
   ``match_adamw_update_rms``, ``adamw_beta1``, ``dimension_numbers``,
-  ``split_qkv``, ``layout``, ``split_gate_up``).
+  ``split_qkv``, ``layout``, ``split_gate_up``, ``memory_budget``).
 
   Args:
     moment2_method: ``"adamuon"``, ``"normuon"`` or ``"namo"``.
@@ -262,6 +263,7 @@ def scale_by_adaptive_muon(
     steps=steps,
     precision=precision,
     sharding=sharding,
+    memory_budget=memory_budget,
     **views,
   )
   moment2 = scale_by_moment2(moment2_method, beta2, moment2_eps, **views)
@@ -316,6 +318,7 @@ def adaptive_muon(
   adam_eps=1e-8,
   adam_weight_decay=0.0,
   adam_weight_decay_mask=None,
+  memory_budget: int | None = None,
 ) -> optax.GradientTransformation:
   r"""AdaptiveMuon (NorMuon, AdaMuon, NAMO) for the matrices, AdamW for the
   rest: ``om.muon`` with ``scale_by_adaptive_muon`` as the Muon direction
@@ -359,6 +362,7 @@ def adaptive_muon(
     split_qkv=split_qkv,
     split_gate_up=split_gate_up,
     sharding=sharding,
+    memory_budget=memory_budget,
   )
   return alias.route(
     direction,

@@ -77,6 +77,7 @@ def scale_by_muon(
   preconditioning: str = "frobenius",
   layout=None,
   split_gate_up=None,
+  memory_budget: int | None = None,
 ) -> optax.GradientTransformation:
   r"""Muon's direction: momentum, orthogonalized, scaled by shape.
 
@@ -117,6 +118,8 @@ def scale_by_muon(
     layout: an ``om.Layout`` (``om.infer_layout``): its dimension numbers,
       looked up by path (it may cover more leaves than this transform sees);
       not together with ``dimension_numbers``.
+    memory_budget: bytes per device of orthogonalization work in flight
+      (``None``: the default, 2 GiB; see ``orthogonalize``).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -154,6 +157,7 @@ def scale_by_muon(
       precision=precision,
       method=method,
       preconditioning=preconditioning,
+      memory_budget=memory_budget,
       **layout_args,
     ),
     scaling.scale_by_shape(scale_mode, **layout_args),
@@ -273,6 +277,7 @@ def muon(
   preconditioning: str = "frobenius",
   layout=None,
   split_gate_up=None,
+  memory_budget: int | None = None,
 ) -> optax.GradientTransformation:
   r"""Muon for the matrices, AdamW (or Lion) for everything else.
 
@@ -290,8 +295,8 @@ def muon(
   ``beta``, ``nesterov``, ``momentum_style``, ``mu_dtype``,
   ``coefficients``, ``steps``, ``precision``, ``method``, ``scale_mode``,
   ``extra_scale_factor``, ``dimension_numbers``, ``split_qkv``,
-  ``split_gate_up``, ``sharding`` and ``preconditioning`` are
-  ``scale_by_muon``'s.
+  ``split_gate_up``, ``sharding``, ``preconditioning`` and
+  ``memory_budget`` are ``scale_by_muon``'s.
 
   Args:
     learning_rate: Muon's learning rate, a float or an optax schedule.
@@ -337,6 +342,7 @@ def muon(
     split_gate_up=split_gate_up,
     sharding=sharding,
     preconditioning=preconditioning,
+    memory_budget=memory_budget,
   )
   return route(
     direction,

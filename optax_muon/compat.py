@@ -190,6 +190,7 @@ def scale_by_muon(
   sharding: sharding_lib.TensorParallel | None = None,
   method: str = "standard",
   precision: str = "high",
+  memory_budget: int | None = None,
 ) -> optax.GradientTransformation:
   r"""``optax.contrib.scale_by_muon``: bias-corrected momentum, orthogonalized.
 
@@ -217,6 +218,8 @@ def scale_by_muon(
     method: ``"standard"`` or ``"gram"`` (extra).
     precision: ``"high"`` (optax's: the backend's default), ``"highest"`` or
       ``"medium"`` (extra).
+    memory_budget: bytes per device of orthogonalization work in flight
+      (extra; ``None``: 2 GiB; see ``om.orthogonalize``).
 
   Returns:
     An ``optax.GradientTransformation`` with optax's ``MuonState``.
@@ -246,6 +249,7 @@ def scale_by_muon(
     eps=eps,
     preconditioning=preconditioning,
     add_eps=True,
+    memory_budget=memory_budget,
   )
 
   def init_fn(params):
@@ -359,6 +363,7 @@ def muon(
   sharding: sharding_lib.TensorParallel | None = None,
   method: str = "standard",
   precision: str = "high",
+  memory_budget: int | None = None,
 ) -> optax.GradientTransformation:
   r"""``optax.contrib.muon`` (optax 0.2.8), built on optax_muon.
 
@@ -396,6 +401,8 @@ def muon(
     sharding: a ``TensorParallel`` to run the Muon leaves over a mesh (extra).
     method: ``"standard"`` or ``"gram"`` (extra).
     precision: ``"high"`` (optax's), ``"highest"`` or ``"medium"`` (extra).
+    memory_budget: bytes per device of orthogonalization work in flight
+      (extra; ``None``: 2 GiB; see ``om.orthogonalize``).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is optax's.
@@ -433,6 +440,7 @@ def muon(
           sharding=sharding,
           method=method,
           precision=precision,
+          memory_budget=memory_budget,
         ),
         scale_by_shape(muon_dims, consistent_rms, sharding=sharding),
         optax.add_decayed_weights(weight_decay, weight_decay_mask),

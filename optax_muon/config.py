@@ -33,6 +33,7 @@ from optax_muon import newton_schulz
 from optax_muon import qk_clip as qk_clip_lib
 from optax_muon import scaling
 from optax_muon import sharding as sharding_lib
+from optax_muon import waves
 
 OPTIMIZERS = ("adam", "muon", "adaptive_muon")
 TP_MODES = sharding_lib.MODES
@@ -77,6 +78,8 @@ class MuonConfig:
     muon_scalar_optimizer: ``"adam"`` or ``"lion"`` for the non-matrix leaves.
     muon_match_adamw_update_rms: derive the extra factor from ``betas[0]``.
     muon_momentum_style: ``"ema"`` or ``"sgd"``.
+    muon_memory_budget: bytes per device of orthogonalization work in flight
+      (``None``: the default, 2 GiB; see ``om.orthogonalize``).
     qk_clip: QK-clip (MuonClip) after each step; ``build`` then needs
       ``attention=`` (see ``optax_muon.qk_clip``) and ``update`` the step's
       ``max_logits=``.
@@ -108,6 +111,7 @@ class MuonConfig:
   muon_scalar_optimizer: str = "adam"
   muon_match_adamw_update_rms: bool = False
   muon_momentum_style: str = "ema"
+  muon_memory_budget: int | None = None
   qk_clip: bool = False
   qk_clip_threshold: float = 100.0
   qk_clip_alpha: float = 0.5
@@ -159,6 +163,7 @@ class MuonConfig:
       "adaptive_muon_eps", self.adaptive_muon_eps, 0.0, math.inf
     )
     _checks.check_int("muon_num_ns_steps", self.muon_num_ns_steps, minimum=1)
+    waves.check_memory_budget(self.muon_memory_budget, "muon_memory_budget")
     _checks.check_positive("qk_clip_threshold", self.qk_clip_threshold)
     if not 0.0 <= self.qk_clip_alpha <= 1.0:
       raise ValueError(
@@ -382,6 +387,7 @@ class MuonConfig:
         adam_eps=self.eps,
         adam_weight_decay=self.weight_decay,
         adam_weight_decay_mask=decay_mask,
+        memory_budget=self.muon_memory_budget,
       ),
       *clip_logits,
     )

@@ -6,6 +6,8 @@ cap, see ``STACK_BYTES``) and orthogonalized by one batched Newton–Schulz loop
 per stack, then put back.
 """
 
+import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -19,6 +21,7 @@ from optax_muon import coefficients as coefficients_lib
 from optax_muon import layout
 from optax_muon import newton_schulz as ns
 from optax_muon import sharding as sharding_lib
+from optax_muon import waves
 
 METHODS = ("standard", "gram")
 
@@ -151,6 +154,30 @@ def _distributed_newton_schulz(
   return out
 
 
+def _leaf_task(leaf, view: layout.MatrixView, finish) -> waves.Task:
+  """A whole (unsharded) leaf as one task of the waves."""
+
+  def prepare(inputs):
+    part_view = dataclasses.replace(view, shape=tuple(inputs[0].shape))
+    return part_view.to_matrices(inputs[0]), part_view
+
+  batch = [a for a in view.batch_axes if view.shape[a] > 1]
+  return waves.Task(
+    [leaf],
+    prepare,
+    lambda ms, v: [v.from_matrices(ms)],
+    finish,
+    "local",
+    sum(
+      waves.newton_schulz_bytes(
+        m, n, math.prod(view.batch_shape), jnp.dtype(leaf.dtype).itemsize
+      )
+      for m, n in view.matrix_shapes
+    ),
+    max(batch, key=view.shape.__getitem__) if batch else None,
+  )
+
+
 def orthogonalize(
   *,
   coefficients="quintic",
@@ -164,6 +191,7 @@ def orthogonalize(
   eps=1e-30,
   preconditioning: str = "frobenius",
   add_eps: bool = False,
+  memory_budget: int | None = None,
 ) -> optax.GradientTransformation:
   r"""Replaces each matrix of the updates by its Newton–Schulz polar factor.
 
@@ -172,6 +200,12 @@ def orthogonalize(
   for ``G = U Σ Vᵀ``. Same-shape matrices (after turning each to its wide
   orientation) run in batched stacks no larger than the largest matrix; the
   result equals doing them one at a time.
+
+  The work runs in waves whose live bytes per device (gathered inputs,
+  Newton–Schulz workspace, results) stay within ``memory_budget``
+  (``optax_muon.waves``): stacked leaves (scanned layers, experts) are split
+  along their batch axes, and the waves are ordered in the program. A single
+  matrix larger than the budget runs alone; a tree within it is one wave.
 
   Args:
     coefficients: a name in ``COEFFICIENT_SETS`` or a list of ``(a, b, c)``.
@@ -193,6 +227,8 @@ def orthogonalize(
       ``sharding.mode="distributed"``).
     add_eps: add ``eps`` to the Frobenius or spectral norm instead of
       flooring it, as ``optax.contrib.muon`` does.
+    memory_budget: bytes per device of orthogonalization work in flight, a
+      positive int; ``None``: ``waves.DEFAULT_MEMORY_BUDGET`` (2 GiB).
 
   Returns:
     A stateless ``optax.GradientTransformation``.
@@ -210,6 +246,7 @@ def orthogonalize(
   if not isinstance(add_eps, bool):
     raise TypeError(f"add_eps must be a bool, got {add_eps!r}")
   sharding_lib.check_sharding(sharding)
+  budget = waves.resolve(memory_budget)
   if (
     preconditioning == "spectral"
     and sharding is not None
@@ -265,15 +302,17 @@ def orthogonalize(
           ms, distribute_axis=axis, **grouped
         ),
         lambda ms, axis: _distributed_newton_schulz(ms, axis, **settings),
+        budget,
       )
       return jax.tree.unflatten(jax.tree.structure(updates), leaves), state
-    pieces = [view.to_matrices(leaf) for _, leaf, view in views]
-    flat = [m for leaf_pieces in pieces for m in leaf_pieces]
-    flat = iter(_orthogonalize_grouped(flat, **grouped))
-    new_leaves = [
-      view.from_matrices([next(flat) for _ in leaf_pieces])
-      for (_, _, view), leaf_pieces in zip(views, pieces)
+    new_leaves: list[Any] = [None] * len(views)
+    tasks = [
+      _leaf_task(leaf, view, lambda out, i=i: new_leaves.__setitem__(i, out[0]))
+      for i, (_, leaf, view) in enumerate(views)
     ]
+    waves.run(
+      tasks, budget, {"local": lambda ms: _orthogonalize_grouped(ms, **grouped)}
+    )
     treedef = jax.tree.structure(updates)
     return jax.tree.unflatten(treedef, new_leaves), state
 

@@ -42,13 +42,14 @@ def scale_by_polargrad(
   extra_scale_factor=1.0,
   dimension_numbers=None,
   layout=None,
+  memory_budget: int | None = None,
 ) -> optax.GradientTransformation:
   r"""PolarGrad's direction: ``⟨O, u⟩ · extra · O`` per matrix (see the
   module docstring).
 
   ``beta``, ``nesterov``, ``momentum_style``, ``mu_dtype``,
-  ``coefficients``, ``steps``, ``precision``, ``dimension_numbers`` and
-  ``layout`` are as in ``scale_by_muon`` (``nesterov`` defaults to EO's
+  ``coefficients``, ``steps``, ``precision``, ``dimension_numbers``,
+  ``layout`` and ``memory_budget`` are as in ``scale_by_muon`` (``nesterov`` defaults to EO's
   ``False``).
 
   Args:
@@ -70,6 +71,7 @@ def scale_by_polargrad(
     steps=steps,
     precision=precision,
     dimension_numbers=dimension_numbers,
+    memory_budget=memory_budget,
   )
   resolve_views = layout_lib.view_resolver(dimension_numbers)
 
@@ -118,6 +120,7 @@ def polargrad(
   weight_decay=0.0,
   weight_decay_mask=None,
   labels=None,
+  memory_budget: int | None = None,
   **scalar_kwargs,
 ) -> optax.GradientTransformation:
   r"""PolarGrad for the matrices, AdamW for the rest: ``om.muon``'s routing
@@ -147,6 +150,7 @@ def polargrad(
     precision=precision,
     extra_scale_factor=extra_scale_factor,
     dimension_numbers=dimension_numbers,
+    memory_budget=memory_budget,
   )
   return alias.route(
     direction,

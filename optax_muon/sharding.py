@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec
 from optax_muon import _checks
 from optax_muon import _paths
 from optax_muon import layout
+from optax_muon import waves
 
 MODES = ("blockwise", "duplicated", "distributed", "allgather")
 
@@ -199,15 +200,17 @@ def shares_out(members: int, ranks: int) -> bool:
 
 @dataclasses.dataclass
 class _WideMember:
-  """A leaf of an ``allgather`` group, its axes ordered ``(batch, rows,
-  columns)`` with ``rows ≤ columns``, so that leaves whose matrices are each
-  other's transposes (an MLP's up and down kernels) stack together."""
+  """A leaf of an ``allgather`` group, seen with its axes ordered ``(batch,
+  rows, columns)``, ``rows ≤ columns``, so that leaves whose matrices are
+  each other's transposes (an MLP's up and down kernels) group together. The
+  reordering is applied to each part a task reads, never to the whole leaf."""
 
   x: jax.Array
   view: layout.MatrixView
   tp_dim: int
   finish: Callable
   replicated: bool
+  axis: int | None
 
   def __post_init__(self):
     v = self.view
@@ -215,36 +218,48 @@ class _WideMember:
     if v.fan_in > v.fan_out:
       rows, cols = cols, rows
     self.order = v.batch_axes + rows + cols
-    self.counts = (len(v.batch_axes), len(rows))
-    self.wide = jnp.transpose(self.x, self.order)
-    self.wide_tp_dim = self.order.index(self.tp_dim)
+    self.rows = math.prod(self.x.shape[a] for a in rows)
+    self.cols = math.prod(self.x.shape[a] for a in cols)
+    self.wide_tp_dim = 1 + (self.tp_dim not in rows)  # of (items, rows, cols)
+    # the sharded side of the whole matrix is tp.size times the local one
+    self.items = math.prod(self.x.shape[a] for a in v.batch_axes)
 
   @property
   def key(self):
-    return (self.wide.shape, self.wide.dtype, self.wide_tp_dim, self.counts)
+    return (self.rows, self.cols, self.x.dtype, self.wide_tp_dim)
 
-  def wide_view(self, shape) -> layout.MatrixView:
-    batch, rows = self.counts
-    return layout.MatrixView(
-      tuple(shape),
-      tuple(range(batch)),
-      tuple(range(batch, batch + rows)),
-      tuple(range(batch + rows, len(shape))),
-    )
+  def wide_items(self, part: jax.Array) -> jax.Array:
+    """``part`` as ``(items, rows, cols)``."""
+    return jnp.transpose(part, self.order).reshape(-1, self.rows, self.cols)
 
-  def unwide(self, wide: jax.Array) -> jax.Array:
-    return jnp.transpose(
-      wide, tuple(sorted(range(len(self.order)), key=self.order.__getitem__))
-    )
+  def unwide(self, items: jax.Array, shape) -> jax.Array:
+    """Inverse of ``wide_items`` for a part of ``shape``."""
+    wide_shape = tuple(shape[a] for a in self.order)
+    inverse = tuple(sorted(range(len(self.order)), key=self.order.__getitem__))
+    return jnp.transpose(items.reshape(wide_shape), inverse)
 
 
-@dataclasses.dataclass
-class _Job:
-  """Matrices to orthogonalize locally and how to put their result back."""
+def _allgather_unit(member: _WideMember, ranks: int) -> int:
+  """Slices of the member's split axis whose matrices fill whole matrices for
+  every rank (no zero padding in an all-to-all)."""
+  if member.axis is None:
+    return 1
+  per_slice = member.items // member.x.shape[member.axis]
+  return ranks // math.gcd(ranks, per_slice)
 
-  matrices: list
-  finish: Callable
-  replicated: bool  # the same on every rank of the distribute_over axis
+
+def _split_axis(view: layout.MatrixView, shape) -> int | None:
+  """The batch axis a task may be split along: the longest one."""
+  axes = [a for a in view.batch_axes if shape[a] > 1]
+  return max(axes, key=lambda a: shape[a]) if axes else None
+
+
+def _view_bytes(view: layout.MatrixView, itemsize: int) -> int:
+  count = math.prod(view.batch_shape)
+  return sum(
+    waves.newton_schulz_bytes(m, n, count, itemsize)
+    for m, n in view.matrix_shapes
+  )
 
 
 def orthogonalize_sharded(
@@ -254,8 +269,13 @@ def orthogonalize_sharded(
   specs,
   orthogonalize_matrices,
   distributed_ns,
+  memory_budget: int | None = None,
 ):
   """Orthogonalizes ``leaves`` (global arrays) under ``tp``; see the module.
+
+  The work runs in waves of at most ``memory_budget`` bytes per device
+  (``waves``): stacked leaves are split along their batch axes, ``allgather``
+  groups into parts of whole matrices per rank.
 
   Args:
     leaves: the Muon leaves.
@@ -266,26 +286,177 @@ def orthogonalize_sharded(
       grouped local Newton–Schulz.
     distributed_ns: ``(matrices, axis_name) -> matrices``, Newton–Schulz of
       matrices whose columns are split over ``axis_name``.
+    memory_budget: bytes per device (``None``: the default budget).
 
   Returns:
     The orthogonalized leaves, sharded like the inputs.
   """
+  budget = waves.resolve(memory_budget)
   in_specs = tuple(PartitionSpec(*[a or None for a in spec]) for spec in specs)
+  solvers = {
+    "local": lambda ms: orthogonalize_matrices(ms, None),
+    "replicated": lambda ms: orthogonalize_matrices(ms, tp.distribute_over),
+    "distributed": lambda ms: distributed_ns(ms, tp.axis),
+  }
+  local_solver = lambda replicated: (
+    "replicated" if replicated and tp.distribute_over else "local"
+  )
+  only = lambda finish: lambda outputs: finish(outputs[0])
 
-  def duplicated_job(x, view, tp_dim, finish, replicated) -> _Job:
-    """Gather the shard, orthogonalize the full matrix, keep this chunk."""
-    full = jax.lax.all_gather(x, tp.axis, axis=tp_dim, tiled=True)
-    full_view = local_view(view, full.shape)
-    return _Job(
-      full_view.to_matrices(full),
-      lambda ms: finish(
-        _own_chunk(full_view.from_matrices(ms), tp.axis, tp_dim)
-      ),
-      replicated,
+  def local_task(x, view, finish, replicated) -> waves.Task:
+    """Each (local) matrix orthogonalized as it is."""
+    local = local_view(view, x.shape)
+
+    def prepare(inputs):
+      part_view = local_view(view, inputs[0].shape)
+      return part_view.to_matrices(inputs[0]), part_view
+
+    return waves.Task(
+      [x],
+      prepare,
+      lambda ms, v: [v.from_matrices(ms)],
+      only(finish),
+      local_solver(replicated),
+      _view_bytes(local, x.dtype.itemsize),
+      _split_axis(view, x.shape),
     )
 
+  def duplicated_task(x, view, tp_dim, finish, replicated) -> waves.Task:
+    """Gather the shard, orthogonalize the full matrix, keep this chunk."""
+    full_shape = list(x.shape)
+    full_shape[tp_dim] *= tp.size
+
+    def prepare(inputs):
+      full = jax.lax.all_gather(inputs[0], tp.axis, axis=tp_dim, tiled=True)
+      full_view = local_view(view, full.shape)
+      return full_view.to_matrices(full), full_view
+
+    return waves.Task(
+      [x],
+      prepare,
+      lambda ms, v: [_own_chunk(v.from_matrices(ms), tp.axis, tp_dim)],
+      only(finish),
+      local_solver(replicated),
+      _view_bytes(local_view(view, full_shape), x.dtype.itemsize),
+      _split_axis(view, x.shape),
+    )
+
+  def distributed_task(x, view, tp_dim, finish) -> waves.Task:
+    """The shard stays; the sharded side becomes the columns, so X Xᵀ is a
+    sum over the shards."""
+    fan_in_sharded = tp_dim in view.reduction_axes
+    turn = lambda ms: [
+      jnp.swapaxes(m, -1, -2) if fan_in_sharded else m for m in ms
+    ]
+
+    def prepare(inputs):
+      part_view = local_view(view, inputs[0].shape)
+      return turn(part_view.to_matrices(inputs[0])), part_view
+
+    local = local_view(view, x.shape)
+    count = math.prod(local.batch_shape)
+    unsharded = local.fan_out if fan_in_sharded else local.fan_in
+    return waves.Task(
+      [x],
+      prepare,
+      lambda ms, v: [v.from_matrices(turn(ms))],
+      only(finish),
+      "distributed",
+      waves.newton_schulz_bytes(
+        local.fan_in, local.fan_out, count, x.dtype.itemsize, unsharded
+      ),
+      _split_axis(view, x.shape),
+    )
+
+  def allgather_task(members: list[_WideMember], split: bool) -> waves.Task:
+    """Local shards of ``members``' matrices stacked, re-laid out by one
+    all-to-all so that each rank holds whole matrices, and sent back.
+    ``split``: one member, whose task may be split along its batch axis."""
+    first = members[0]
+    full = [first.rows, first.cols]
+    full[first.wide_tp_dim - 1] *= tp.size
+    items = sum(m.items for m in members)
+    per_rank = -(-items // tp.size)
+    itemsize = first.x.dtype.itemsize
+
+    def prepare(inputs):
+      stack = jnp.concatenate(
+        [m.wide_items(x) for m, x in zip(members, inputs)]
+      )
+      count = stack.shape[0]
+      padded = -(-count // tp.size) * tp.size
+      stack = jnp.pad(stack, ((0, padded - count), (0, 0), (0, 0)))
+      whole = jax.lax.all_to_all(
+        stack, tp.axis, 0, first.wide_tp_dim, tiled=True
+      )
+      return [whole], (count, [x.shape for x in inputs])
+
+    def restore(ms, context):
+      count, shapes = context
+      (done,) = ms
+      back = jax.lax.all_to_all(done, tp.axis, first.wide_tp_dim, 0, tiled=True)
+      back = back[:count]
+      outputs, start = [], 0
+      for member, shape in zip(members, shapes):
+        n = math.prod(shape[a] for a in member.view.batch_axes)
+        outputs.append(member.unwide(back[start : start + n], shape))
+        start += n
+      return outputs
+
+    def finish(outputs):
+      for member, out in zip(members, outputs):
+        member.finish(out)
+
+    return waves.Task(
+      [m.x for m in members],
+      prepare,
+      restore,
+      finish,
+      local_solver(all(m.replicated for m in members)),
+      waves.newton_schulz_bytes(full[0], full[1], per_rank, itemsize)
+      + 2 * itemsize * first.rows * first.cols * per_rank * tp.size,
+      first.axis if split else None,
+      _allgather_unit(first, tp.size) if split else 1,
+    )
+
+  def allgather_tasks(members: list[_WideMember]) -> list[waves.Task]:
+    """One task for the group when it fits the budget; else each stacked
+    member alone (split by the waves) and the others in parts of about one
+    budget's worth of whole matrices per rank."""
+    whole = allgather_task(members, split=False)
+    if whole.bytes <= budget:
+      return [whole]
+    first = members[0]
+    full = [first.rows, first.cols]
+    full[first.wide_tp_dim - 1] *= tp.size
+    per_matrix = waves.newton_schulz_bytes(
+      full[0], full[1], 1, first.x.dtype.itemsize
+    )
+    quota = max(1, budget // per_matrix) * tp.size  # matrices per part
+    tasks: list[waves.Task] = []
+    pool: list[_WideMember] = []
+    pooled = 0
+    for member in members:
+      if (
+        member.axis is not None
+        and member.items >= 2 * quota
+        and member.x.shape[member.axis] % _allgather_unit(member, tp.size) == 0
+      ):
+        tasks.append(allgather_task([member], split=True))
+        continue
+      if pool and pooled + member.items > quota:
+        tasks.append(allgather_task(pool, split=False))
+        pool, pooled = [], 0
+      pool.append(member)
+      pooled += member.items
+    if pool:
+      tasks.append(allgather_task(pool, split=False))
+    return tasks
+
   def body(*local_leaves):
-    results, jobs, allgather_groups = [None] * len(local_leaves), [], {}
+    results: list[Any] = [None] * len(local_leaves)
+    tasks: list[waves.Task] = []
+    allgather_groups: dict[tuple, list[_WideMember]] = {}
     for index, (x, view, spec) in enumerate(zip(local_leaves, views, specs)):
       matrix_axes = view.reduction_axes + view.output_axes
       gathered = []  # re-split last, in reverse
@@ -310,101 +481,52 @@ def orthogonalize_sharded(
           out = _own_chunk(out, name, dim)
         results[index] = out
 
-      mode = tp.mode
-      if (
-        tp_dim is not None
-        and mode in ("distributed", "allgather")
-        and (view.widths)
-      ):
-        mode = "duplicated"  # split QKV pieces are gathered per leaf
-      if mode == "distributed" and tp_dim is not None:
-        sharded_side = (
-          view.fan_in if tp_dim in view.reduction_axes else view.fan_out
-        )
-        if sharded_side < max(view.fan_in, view.fan_out):
-          # the Gram matrix would be of the long side: one gather moves less
-          mode = "duplicated"
-      if tp_dim is None or mode == "blockwise":
-        local = local_view(view, x.shape)
-        jobs.append(
-          _Job(
-            local.to_matrices(x),
-            lambda ms, v=local, f=finish: f(v.from_matrices(ms)),
-            replicated,
-          )
-        )
+      mode = _mode_for(tp.mode, view, tp_dim)
+      if mode == "blockwise":
+        tasks.append(local_task(x, view, finish, replicated))
       elif mode == "duplicated":
-        jobs.append(duplicated_job(x, view, tp_dim, finish, replicated))
+        tasks.append(duplicated_task(x, view, tp_dim, finish, replicated))
       elif mode == "distributed":
-        local = local_view(view, x.shape)
-        fan_in_sharded = tp_dim in view.reduction_axes
-        # the sharded side becomes the columns: X Xᵀ sums over the shards
-        matrices = [
-          jnp.swapaxes(m, -1, -2) if fan_in_sharded else m
-          for m in local.to_matrices(x)
-        ]
-        out = distributed_ns(matrices, tp.axis)
-        finish(
-          local.from_matrices(
-            [jnp.swapaxes(m, -1, -2) if fan_in_sharded else m for m in out]
-          )
-        )
+        tasks.append(distributed_task(x, view, tp_dim, finish))
       else:
-        member = _WideMember(x, view, tp_dim, finish, replicated)
+        member = _WideMember(
+          x, view, tp_dim, finish, replicated, _split_axis(view, x.shape)
+        )
         allgather_groups.setdefault(member.key, []).append(member)
 
     for members in allgather_groups.values():
-      if not shares_out(len(members), tp.size):
-        jobs += [
-          duplicated_job(m.x, m.view, m.tp_dim, m.finish, m.replicated)
+      if shares_out(sum(m.items for m in members), tp.size):
+        tasks += allgather_tasks(members)
+      else:
+        tasks += [
+          duplicated_task(m.x, m.view, m.tp_dim, m.finish, m.replicated)
           for m in members
         ]
-        continue
-      count = len(members)
-      padded = -(-count // tp.size) * tp.size
-      first = members[0]
-      stack = jnp.stack(
-        [m.wide for m in members]
-        + [jnp.zeros_like(first.wide)] * (padded - count)
-      )
-      wide_dim = first.wide_tp_dim + 1  # the stack axis comes first
-      whole = jax.lax.all_to_all(stack, tp.axis, 0, wide_dim, tiled=True)
-      full_view = first.wide_view(whole.shape[1:])
-      pieces = [full_view.to_matrices(item) for item in whole]
-
-      def put_back(ms, pieces=pieces, v=full_view, d=wide_dim, members=members):
-        ms = iter(ms)
-        done = jnp.stack(
-          [v.from_matrices([next(ms) for _ in p]) for p in pieces]
-        )
-        back = jax.lax.all_to_all(done, tp.axis, d, 0, tiled=True)
-        for member, wide in zip(members, back):
-          member.finish(member.unwide(wide))
-
-      jobs.append(
-        _Job(
-          [m for p in pieces for m in p],
-          put_back,
-          all(m.replicated for m in members),
-        )
-      )
-
-    # one grouped Newton–Schulz for everything that is local now
-    for replicated in (True, False):
-      selected = [j for j in jobs if j.replicated == replicated]
-      flat = [m for j in selected for m in j.matrices]
-      if not flat:
-        continue
-      out = iter(
-        orthogonalize_matrices(flat, tp.distribute_over if replicated else None)
-      )
-      for job in selected:
-        job.finish([next(out) for _ in job.matrices])
+    waves.run(tasks, budget, solvers)
     return tuple(results)
 
   return jax.shard_map(
     body, mesh=tp.mesh, in_specs=in_specs, out_specs=in_specs, check_vma=False
   )(*leaves)
+
+
+def _mode_for(mode: str, view: layout.MatrixView, tp_dim) -> str:
+  """The mode a leaf runs in: ``blockwise`` when it is not sharded over the
+  tensor-parallel axis; split QKV / gate-up pieces are gathered per leaf
+  (``duplicated``) in ``distributed`` and ``allgather``; ``distributed``
+  gathers a leaf whose sharded side is the short one (its Gram matrix would
+  be of the long side: one gather moves less)."""
+  if tp_dim is None:
+    return "blockwise"
+  if mode in ("distributed", "allgather") and view.widths:
+    return "duplicated"
+  if mode == "distributed":
+    sharded_side = (
+      view.fan_in if tp_dim in view.reduction_axes else view.fan_out
+    )
+    if sharded_side < max(view.fan_in, view.fan_out):
+      return "duplicated"
+  return mode
 
 
 def local_shape(shape, spec, tp: TensorParallel):

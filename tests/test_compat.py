@@ -32,7 +32,12 @@ PUBLIC = (
   "scale_by_shape",
   "orthogonalize_via_newton_schulz",
 )
-EXTRAS = {"sharding": None, "method": "standard", "precision": "high"}
+EXTRAS = {
+  "sharding": None,
+  "method": "standard",
+  "precision": "high",
+  "memory_budget": None,
+}
 
 
 def test_pinned_optax_is_the_mirrored_one():

@@ -37,6 +37,7 @@ DEFAULTS = {
   "muon_scalar_optimizer": "adam",
   "muon_match_adamw_update_rms": False,
   "muon_momentum_style": "ema",
+  "muon_memory_budget": None,
   "qk_clip": False,
   "qk_clip_threshold": 100.0,
   "qk_clip_alpha": 0.5,

@@ -1,0 +1,218 @@
+"""The memory budget: the orthogonalization run in waves, in program order.
+
+Orthogonalizing a whole tree at once keeps every matrix's gathered input,
+Newton–Schulz workspace and result live together; for a 70B model with
+scanned layers that is hundreds of GiB per device. So the work is cut into
+**tasks** (a leaf, a slice of a stacked leaf, or a group of leaves that are
+orthogonalized together), each with an estimate of the bytes it keeps live,
+and the tasks run in **waves** of at most ``memory_budget`` bytes:
+
+* tasks that fit are packed into waves, in order; inside a wave same-shape
+  matrices still run as one batched Newton–Schulz (``solve``);
+* a task over a stack (scanned layers, experts: a batch axis of the leaf)
+  that does not fit is split along that axis into equal parts, run one after
+  the other by a ``fori_loop`` that writes each part's result in place;
+* waves are ordered in the program itself: each wave's inputs pass through
+  one ``optimization_barrier`` with the previous wave's results and depend
+  on one of them (``_one_after``), so no scheduler can start a wave before
+  the previous one is done;
+* a single matrix larger than the budget runs alone; a tree that fits the
+  budget is one wave, as if there were no budget.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# Measured (benchmarks/at_scale.py, docs/scaling.md): at 2 GiB a
+# Llama-3-70B update with scanned layers at TP 8 fits a v5p chip in every
+# tp_mode, and the example GPT's update is one wave (no change in speed).
+DEFAULT_MEMORY_BUDGET = 2 << 30
+
+
+def check_memory_budget(memory_budget, name: str = "memory_budget") -> None:
+  """``None`` (the default budget) or a positive int of bytes per device."""
+  if memory_budget is None:
+    return
+  if (
+    isinstance(memory_budget, bool)
+    or not isinstance(memory_budget, int)
+    or memory_budget < 1
+  ):
+    raise ValueError(
+      f"{name} must be None (the default, {DEFAULT_MEMORY_BUDGET} bytes) or "
+      f"a positive int of bytes per device, got {memory_budget!r}"
+    )
+
+
+def resolve(memory_budget) -> int:
+  check_memory_budget(memory_budget)
+  return DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+
+
+def newton_schulz_bytes(
+  m: int, n: int, count: int = 1, itemsize=4, gram_side: int | None = None
+) -> int:
+  """Bytes live while Newton–Schulz runs on ``count`` m×n matrices: input and
+  result in their own dtype (``itemsize``), three fp32 iterates of the wide
+  shape (``X``, ``B X``, the next ``X``) and three of the Gram shape (``A``,
+  ``A A``, ``B``), of the short side or, for columns split over ranks
+  (``distributed``), of ``gram_side``."""
+  side = min(m, n) if gram_side is None else gram_side
+  return count * (2 * itemsize * m * n + 12 * m * n + 12 * side * side)
+
+
+@dataclasses.dataclass
+class Task:
+  """Orthogonalization work that runs as one piece of a wave.
+
+  Attributes:
+    inputs: the arrays the task reads.
+    prepare: ``inputs -> (matrices, context)``: the ``(batch, m, n)``
+      matrices to orthogonalize (gathers and all-to-alls happen here).
+    restore: ``(matrices, context) -> outputs``, one per input, each of its
+      input's shape.
+    finish: ``outputs -> None``: hands the results on.
+    solver: which solver orthogonalizes the matrices (a key of ``run``'s
+      ``solvers``); the matrices of one solver in one wave run together.
+    bytes: the bytes the task keeps live.
+    axis: a batch axis of every input along which the task may be split
+      into equal parts (``None``: it cannot be split).
+    unit: part sizes along ``axis`` preferably multiples of this.
+  """
+
+  inputs: Sequence[jax.Array]
+  prepare: Callable[[Sequence[jax.Array]], tuple[list, Any]]
+  restore: Callable[[list, Any], Sequence[jax.Array]]
+  finish: Callable[[Sequence[jax.Array]], None]
+  solver: Any
+  bytes: int
+  axis: int | None = None
+  unit: int = 1
+
+  @property
+  def count(self) -> int:
+    return 1 if self.axis is None else self.inputs[0].shape[self.axis]
+
+
+def _part_size(count: int, fit: int, unit: int) -> int:
+  """The largest divisor of ``count`` that is at most ``fit`` (at least 1),
+  a multiple of ``unit`` where one is."""
+  divisors = [d for d in range(1, count + 1) if count % d == 0 and d <= fit]
+  if not divisors:
+    return 1
+  aligned = [d for d in divisors if d % unit == 0]
+  return max(aligned or divisors)
+
+
+def plan(tasks: Sequence[Task], budget: int) -> list[tuple[list[Task], int]]:
+  """Waves of tasks: ``(tasks, part)``, where ``part`` is ``0`` for a wave of
+  whole tasks and, for a wave of one split task, the size of its parts."""
+  if sum(t.bytes for t in tasks) <= budget:
+    return [(list(tasks), 0)] if tasks else []
+  waves: list[tuple[list[Task], int]] = []
+  current: list[Task] = []
+  used = 0
+  for task in tasks:
+    if task.bytes > budget and task.axis is not None and task.count > 1:
+      per_slice = -(-task.bytes // task.count)
+      part = _part_size(
+        task.count, max(task.unit, budget // per_slice), task.unit
+      )
+      if part < task.count:
+        waves.append(([task], part))
+        continue
+    if current and used + task.bytes > budget:
+      waves.append((current, 0))
+      current, used = [], 0
+    current.append(task)
+    used += task.bytes
+  if current:
+    waves.append((current, 0))
+  return waves
+
+
+def _solve(tasks, inputs, solvers):
+  """Outputs of whole ``tasks`` on ``inputs``, one solve per solver."""
+  prepared = [task.prepare(x) for task, x in zip(tasks, inputs)]
+  by_solver: dict[Any, list[int]] = {}
+  for index, task in enumerate(tasks):
+    by_solver.setdefault(task.solver, []).append(index)
+  solved: list[Any] = [None] * len(tasks)
+  for solver, members in by_solver.items():
+    flat = [m for i in members for m in prepared[i][0]]
+    out = iter(solvers[solver](flat))
+    for i in members:
+      solved[i] = [next(out) for _ in prepared[i][0]]
+  return [
+    task.restore(matrices, context)
+    for task, matrices, (_, context) in zip(tasks, solved, prepared)
+  ]
+
+
+def _solve_in_parts(task, inputs, part, solvers, one=None):
+  """A split task's outputs: a loop over its parts along ``task.axis``, each
+  part's result written in place; with ``one`` (``_one_after``), the loop
+  starts at ``one - 1`` (zero, known only once the previous wave is done)."""
+  axis = task.axis
+  start = 0 if one is None else (one - 1).astype(jnp.int32)
+
+  def body(i, outputs):
+    pieces = [
+      jax.lax.dynamic_slice_in_dim(x, i * part, part, axis=axis) for x in inputs
+    ]
+    (results,) = _solve([task], [pieces], solvers)
+    return tuple(
+      jax.lax.dynamic_update_slice_in_dim(
+        out, r.astype(out.dtype), i * part, axis
+      )
+      for out, r in zip(outputs, results)
+    )
+
+  init = tuple(jnp.zeros_like(x) for x in inputs)
+  return list(jax.lax.fori_loop(start, task.count // part, body, init))
+
+
+def _one_after(previous):
+  """A one read off a result of the previous wave (``1 + 0·isfinite(r)``:
+  exactly one whatever ``r`` holds, so multiplying by it changes no bit and
+  passes no NaN on), or ``None`` for the first wave. XLA's CPU and GPU
+  compilers drop ``optimization_barrier`` before they schedule; a data
+  dependency they keep."""
+  results = [x for x in jax.tree.leaves(previous) if x.size]
+  if not results:
+    return None
+  last = results[-1].reshape(-1)[0]
+  return 1.0 + 0.0 * jnp.isfinite(last).astype(jnp.float32)
+
+
+def run(tasks: Sequence[Task], budget: int, solvers: dict) -> None:
+  """Runs ``tasks`` in waves of at most ``budget`` bytes (see the module);
+  each task's ``finish`` receives its outputs.
+
+  Args:
+    tasks: the work, in order.
+    budget: bytes per device.
+    solvers: ``solver key -> (matrices -> matrices)``.
+  """
+  waves = plan(tasks, budget)
+  previous: Any = ()
+  for wave, part in waves:
+    inputs = [list(task.inputs) for task in wave]
+    one = None
+    if len(waves) > 1:
+      previous, inputs = jax.lax.optimization_barrier((previous, inputs))
+      one = _one_after(previous)
+    if part:
+      outputs = [_solve_in_parts(wave[0], inputs[0], part, solvers, one)]
+    else:
+      if one is not None:
+        inputs = jax.tree.map(lambda x: x * one.astype(x.dtype), inputs)
+      outputs = _solve(wave, inputs, solvers)
+    for task, out in zip(wave, outputs):
+      task.finish(out)
+    previous = outputs

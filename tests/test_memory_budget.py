@@ -1,0 +1,299 @@
+"""The memory budget: the orthogonalization in waves, stacks split over their
+batch axes, waves ordered in the program; every mode exact against one wave."""
+
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from optax.contrib import MuonDimensionNumbers as Dims
+
+import optax_muon as om
+from conftest import ROOT
+from optax_muon import waves
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _hlo  # noqa: E402
+
+TINY = 1  # bytes: every task over budget, so every stack is split
+MODES = om.sharding.MODES
+
+
+def _mesh(shape=(2, 4)):
+  names = ("model",) if len(shape) == 1 else ("data", "model")
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def _tree():
+  """Stacked and per-layer kernels, column- and row-parallel, fused QKV and
+  gate/up, experts, a replicated matrix."""
+  keys = iter(jax.random.split(jax.random.key(0), 16))
+  normal = lambda shape: jax.random.normal(next(keys), shape)
+  params = {
+    "stack_col": normal((8, 32, 64)),
+    "stack_row": normal((8, 64, 32)),
+    "layer0": normal((32, 64)),
+    "layer1": normal((32, 64)),
+    "layer0_row": normal((64, 32)),
+    "experts": normal((2, 4, 16, 32)),  # (layers, experts, in, out)
+    "qkv": normal((32, 128)),
+    "gate_up": normal((4, 32, 128)),
+    "replicated": normal((24, 40)),
+  }
+  specs = {
+    "stack_col": P(None, None, "model"),
+    "stack_row": P(None, "model", None),
+    "layer0": P(None, "model"),
+    "layer1": P(None, "model"),
+    "layer0_row": P("model", None),
+    "experts": P(None, "model", None, None),  # expert-parallel batch axis
+    "qkv": P(None, "model"),
+    "gate_up": P(None, None, "model"),
+    "replicated": P(),
+  }
+  dims = {
+    k: Dims(v.ndim - 2, v.ndim - 1) if v.ndim > 2 else None
+    for k, v in params.items()
+  }
+  return params, specs, dims
+
+
+SPLITS = dict(
+  split_qkv={"qkv": om.SplitQKV(num_heads=8, num_kv_heads=4, head_dim=8)},
+  split_gate_up={"gate_up": om.SplitGateUp(groups=4)},
+)
+
+
+def _put(tree, specs, mesh):
+  return jax.tree.map(
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
+  )
+
+
+def _update(tx, params):
+  state = tx.init(params)
+  return jax.jit(tx.update)(params, state, params)[0]
+
+
+def _close(actual, expected, tol=1e-6):
+  """Each leaf within ``tol`` of the other, relative to its largest entry
+  (Newton–Schulz entries are O(1/√n); a scaled update's O(scale))."""
+  for key, want in expected.items():
+    error = float(jnp.max(jnp.abs(actual[key] - want)))
+    assert error <= tol * max(1.0, float(jnp.max(jnp.abs(want)))), (key, error)
+
+
+def _largest(hlo: str, kind: str) -> int:
+  """The largest result of a ``kind`` collective in the HLO."""
+  return max(
+    (
+      _hlo._array_bytes(m)
+      for m in re.findall(rf"= (\([^)]*\)|\S+) {kind}(?:-start)?\(", hlo)
+    ),
+    default=0,
+  )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_many_waves_equal_one_wave_in_every_mode(mode):
+  mesh = _mesh()
+  params, specs, dims = _tree()
+  sharded = _put(params, specs, mesh)
+  build = lambda budget: om.orthogonalize(
+    dimension_numbers=dims,
+    sharding=om.TensorParallel(mesh, mode=mode, specs=specs),
+    memory_budget=budget,
+    **SPLITS,
+  )
+  one_wave = _update(build(1 << 40), sharded)
+  many = _update(build(TINY), sharded)
+  _close(many, one_wave)
+  for key, leaf in many.items():
+    assert leaf.sharding.is_equivalent_to(
+      NamedSharding(mesh, specs[key]), leaf.ndim
+    ), key
+
+
+def test_many_waves_equal_one_wave_unsharded_and_adaptive():
+  params, _, dims = _tree()
+  # adaptive_muon with NorMuon's row statistics: AdaMuon's first step is
+  # sign-like (O / |O| elementwise), so entries near zero flip with any
+  # rounding and no tolerance compares two exact computations of it.
+  normuon = lambda **kw: om.scale_by_adaptive_muon(
+    moment2_method="normuon", **kw
+  )
+  for make in (om.scale_by_muon, normuon):
+    build = lambda budget, make=make: make(
+      dimension_numbers=dims,
+      scale_mode="shape_scaling",  # factors ≤ 2: the tolerance stays 1e-6
+      memory_budget=budget,
+      **SPLITS,
+    )
+    _close(_update(build(TINY), params), _update(build(1 << 40), params))
+
+
+def test_adaptive_muon_sharded_many_waves_equal_one_wave():
+  mesh = _mesh()
+  params, specs, dims = _tree()
+  sharded = _put(params, specs, mesh)
+  build = lambda budget: om.adaptive_muon(
+    0.02,
+    moment2_method="normuon",
+    scale_mode="shape_scaling",
+    dimension_numbers=dims,
+    labels=jax.tree.map(lambda _: "muon", params),
+    sharding=om.TensorParallel(mesh, mode="allgather", specs=specs),
+    memory_budget=budget,
+    **SPLITS,
+  )
+  _close(_update(build(TINY), sharded), _update(build(1 << 40), sharded))
+
+
+def _stack_program(mode, budget, layers=8, shape=(64, 256)):
+  mesh = _mesh((8,))
+  params = {"stack": jax.ShapeDtypeStruct((layers, *shape), jnp.float32)}
+  specs = {"stack": P(None, None, "model")}
+  params = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, s)
+    ),
+    params,
+    specs,
+  )
+  tx = om.orthogonalize(
+    dimension_numbers="leading",
+    sharding=om.TensorParallel(mesh, mode=mode, specs=specs),
+    memory_budget=budget,
+  )
+  return jax.jit(tx.update).lower(params, optax.EmptyState()).compile()
+
+
+def test_a_stack_over_budget_is_gathered_one_part_at_a_time():
+  # duplicated gathers each part of the stack in a loop, never the whole
+  # stack; the gathered bytes over the whole loop are the same.
+  whole = _stack_program("duplicated", 1 << 40).as_text()
+  parts = _stack_program("duplicated", TINY).as_text()
+  layer = 64 * 256 * 4
+  assert _largest(whole, "all-gather") == 8 * layer
+  assert _largest(parts, "all-gather") == layer
+  assert "while" in parts
+  assert _hlo.collective_bytes(parts)["all-gather"] == 8 * layer
+
+
+def test_the_budget_bounds_the_compiled_temporaries():
+  whole = _stack_program("duplicated", 1 << 40, layers=16, shape=(128, 512))
+  one_layer = waves.newton_schulz_bytes(128, 512)
+  budgeted = _stack_program(
+    "duplicated", 2 * one_layer, layers=16, shape=(128, 512)
+  )
+  temp = lambda c: c.memory_analysis().temp_size_in_bytes
+  assert temp(budgeted) <= 0.35 * temp(whole), (temp(budgeted), temp(whole))
+
+
+def test_allgather_splits_a_stack_over_the_ranks():
+  # each rank gets whole layers of the stack (no zero stacks): two
+  # all-to-alls move 2/N of what gathering every layer whole moves.
+  dup = _hlo.collective_bytes(_stack_program("duplicated", TINY).as_text())
+  ag_hlo = _stack_program("allgather", TINY).as_text()
+  ag = _hlo.collective_bytes(ag_hlo)
+  assert ag["all-gather"] == 0
+  assert ag["all-to-all"] == pytest.approx(dup["all-gather"] * 2 / 8)
+  # one layer per rank per part: the all-to-all holds 8 local shards
+  assert _largest(ag_hlo, "all-to-all") == 8 * 64 * 256 * 4 // 8
+
+
+def test_per_layer_leaves_do_not_grow_the_temporaries_with_depth():
+  mesh = _mesh((8,))
+
+  def temp(layers):
+    params = {
+      f"layer{i}": jax.ShapeDtypeStruct(
+        (128, 512),
+        jnp.float32,
+        sharding=NamedSharding(mesh, P(None, "model")),
+      )
+      for i in range(layers)
+    }
+    specs = {k: P(None, "model") for k in params}
+    tx = om.orthogonalize(
+      sharding=om.TensorParallel(mesh, mode="duplicated", specs=specs),
+      memory_budget=waves.newton_schulz_bytes(128, 512),
+    )
+    compiled = jax.jit(tx.update).lower(params, optax.EmptyState()).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  assert temp(8) <= 1.2 * temp(2)
+
+
+def test_a_tree_within_the_budget_is_one_wave():
+  params, _, dims = _tree()
+  tx = om.orthogonalize(dimension_numbers=dims)  # default budget
+  text = jax.jit(tx.update).lower(params, optax.EmptyState()).as_text()
+  assert "optimization_barrier" not in text
+  tight = om.orthogonalize(dimension_numbers=dims, memory_budget=TINY)
+  text = jax.jit(tight.update).lower(params, optax.EmptyState()).as_text()
+  assert "optimization_barrier" in text
+
+
+def _task(size, axis=None, count=1):
+  x = jnp.zeros((count, 2, 2)) if axis is not None else jnp.zeros((2, 2))
+  return waves.Task(
+    [x],
+    lambda i: ([], None),
+    lambda m, c: [],
+    lambda o: None,
+    "local",
+    size,
+    axis,
+  )
+
+
+def test_plan_packs_whole_tasks_and_splits_stacks_into_divisor_parts():
+  tasks = [_task(40), _task(50), _task(30), _task(100, axis=0, count=10)]
+  planned = waves.plan(tasks, budget=100)
+  sizes = [([t.bytes for t in wave], part) for wave, part in planned]
+  # 40 + 50 fit; 30 next, and the stack of 10 slices of 10 bytes in parts
+  # of 10 (a divisor of 10 within the budget: the whole 100 fits, so it is
+  # whole)
+  assert sizes == [([40, 50], 0), ([30], 0), ([100], 0)]
+  planned = waves.plan([_task(120, axis=0, count=12)], budget=35)
+  assert planned[0][1] == 3  # 3 slices of 10 bytes (a divisor of 12)
+  # a single matrix over the budget runs alone
+  planned = waves.plan([_task(10), _task(500), _task(10)], budget=100)
+  assert [[t.bytes for t in w] for w, _ in planned] == [[10], [500], [10]]
+  # everything within the budget: one wave
+  assert len(waves.plan([_task(10)] * 5, budget=100)) == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2GiB"])
+def test_bad_memory_budget_raises_naming_the_argument(bad):
+  for build in (
+    lambda: om.orthogonalize(memory_budget=bad),
+    lambda: om.muon(0.1, memory_budget=bad),
+    lambda: om.adaptive_muon(0.1, memory_budget=bad),
+    lambda: om.polargrad(0.1, memory_budget=bad),
+    lambda: om.muon_hyperball(0.1, memory_budget=bad),
+    lambda: om.compat.muon(0.1, memory_budget=bad),
+  ):
+    with pytest.raises(ValueError, match="memory_budget"):
+      build()
+  with pytest.raises(ValueError, match="muon_memory_budget"):
+    om.MuonConfig(optimizer="muon", muon_memory_budget=bad)
+
+
+def test_muon_config_passes_the_budget_on():
+  params, _, dims = _tree()
+  config = om.MuonConfig.from_overrides(
+    ["optimizer=muon", f"muon_memory_budget={TINY}", "muon_split_qkv=false"]
+  )
+  labels = jax.tree.map(lambda _: "muon", params)
+  tx = config.build(0.02, dimension_numbers=dims, labels=labels)
+  text = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
+  assert "optimization_barrier" in text
+  np.testing.assert_equal(config.muon_memory_budget, TINY)
