@@ -169,3 +169,41 @@ def test_scaling_doc_table_is_the_plan_commands(monkeypatch):
       )
       for cell in cells:
         assert cell in row, (name, tp, cell, row)
+
+
+def test_at_scale_compiles_every_mode_on_abstract_shapes():
+  # --quick: a 4-layer tiny Llama, stacked, on 8 CPU devices; a 1-byte
+  # budget splits every stack (the suite needs no libtpu)
+  result = subprocess.run(
+    [
+      sys.executable,
+      str(ROOT / "benchmarks" / "at_scale.py"),
+      "--quick",
+      "--stacked",
+      "--memory-budget",
+      "1",
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+    env=_env(),
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  records = {
+    r["mode"]: r for r in (json.loads(l) for l in result.stdout.splitlines())
+  }
+  assert set(records) == {
+    "blockwise",
+    "duplicated",
+    "distributed",
+    "allgather",
+    "optax.contrib.muon",
+  }
+  for record in records.values():
+    assert record["compiled"], record
+    assert record["temp_gib"] > 0 and record["params_gib"] > 0
+    assert record["fits"]["80GB"]
+  assert records["blockwise"]["collective_total_gib"] == 0
+  # whole layers to each rank: 2 all-to-alls of 1/N of each matrix
+  assert 0 < records["allgather"]["bytes_over_duplicated"] <= 0.3

@@ -1,0 +1,310 @@
+"""One Muon update at Llama-3 scale, compiled on abstract shapes.
+
+    python benchmarks/at_scale.py --model llama3-70b --mesh 1x8 --dtype bf16 \
+        --stacked --target tpu-v5p-8 [--modes blockwise,duplicated] \
+        [--memory-budget BYTES] [--quick]
+
+Nothing is allocated: the params, grads and state are
+``jax.ShapeDtypeStruct``s with ``NamedSharding``s, and ``jax.jit(tx.update)``
+is lowered and compiled for the target's devices. ``--target cpu`` uses 8
+simulated CPU devices; ``--target tpu-v5p-8`` (``v5p:2x2x2``) a TPU
+topology's devices with no TPU present (``jax.experimental.topologies``,
+needs libtpu: ``pip install -e ".[tpu-compile]"``, which pins ``jax[tpu]``
+to the installed jax), so the TPU compiler's own buffer assignment is read,
+and its refusal when a program does not fit a chip (RESOURCE_EXHAUSTED) is
+reported, not raised.
+
+The tree is HF-Llama-shaped (per layer ``q/k/v/o_proj``,
+``gate/up/down_proj`` and two norms; an embedding, a head and a final norm),
+with Megatron's tensor-parallel layout: q/k/v/gate/up column-parallel
+(``P(..., None, "model")``), o/down row-parallel (``P(..., "model", None)``),
+the embedding and head vocabulary-parallel, norms replicated; the kernels go
+to Muon, the rest to AdamW; momentum in the param dtype. ``--stacked`` makes
+each kernel one ``[L, in, out]`` leaf as ``nn.scan`` / MaxText's
+``scan_layers=True`` do; ``--model shapes.json`` reads a user's own tree:
+``{"path/to/leaf": [[shape...], "muon"|"adam", [spec entries...]]}`` (dump
+one with ``jax.eval_shape`` and your partition specs).
+
+For each ``tp_mode`` and for ``optax.contrib.muon`` under GSPMD it prints a
+JSON line: per device the params, grads and state bytes, the compiler's
+argument, output and temporary bytes, the collective bytes by kind (loop
+bodies counted trip-count times), compile seconds, and whether params +
+grads + state + temp fit an 80 GB, a 95 GB (v5p) and a 141 GB part
+(``fits``), and the ratio of each mode's collective bytes to
+``duplicated``'s.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+_ARGS = sys.argv[1:]
+if "--target" in _ARGS and _ARGS[_ARGS.index("--target") + 1].startswith("tpu"):
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+else:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+  )
+sys.path.insert(0, os.path.dirname(__file__))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from _hlo import collective_bytes  # noqa: E402
+from _timing import emit  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import optax_muon as om  # noqa: E402
+
+# d_model, d_ffn, query heads, kv heads, head dim, layers, vocabulary
+MODELS = {
+  "llama3-8b": (4096, 14336, 32, 8, 128, 32, 128256),
+  "llama3-70b": (8192, 28672, 64, 8, 128, 80, 128256),
+  "tiny": (256, 1024, 8, 4, 32, 4, 1024),  # --quick
+}
+TARGETS = {"cpu": None, "tpu-v5p-8": "v5p:2x2x2"}
+PARTS_GIB = {"80GB": 80e9 / 2**30, "95GB": 95.74, "141GB": 141e9 / 2**30}
+DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
+GIB = 2**30
+
+
+def llama_tree(model, stacked: bool, layers: int | None = None):
+  """``{path: (shape, label, spec)}`` for an HF-Llama tree."""
+  d, ffn, heads, kv, hd, depth, vocab = MODELS[model]
+  depth = layers or depth
+  kernels = {
+    "q_proj": ((d, heads * hd), "col"),
+    "k_proj": ((d, kv * hd), "col"),
+    "v_proj": ((d, kv * hd), "col"),
+    "o_proj": ((heads * hd, d), "row"),
+    "gate_proj": ((d, ffn), "col"),
+    "up_proj": ((d, ffn), "col"),
+    "down_proj": ((ffn, d), "row"),
+  }
+  tree = {
+    "embed_tokens": ((vocab, d), "adam", ("model", None)),
+    "lm_head": ((d, vocab), "adam", (None, "model")),
+    "norm": ((d,), "adam", (None,)),
+  }
+  tp = lambda kind: (None, "model") if kind == "col" else ("model", None)
+  if stacked:
+    for name, (shape, kind) in kernels.items():
+      tree[f"layers/{name}"] = ((depth, *shape), "muon", (None, *tp(kind)))
+    for norm in ("input_norm", "post_norm"):
+      tree[f"layers/{norm}"] = ((depth, d), "adam", (None, None))
+  else:
+    for layer in range(depth):
+      for name, (shape, kind) in kernels.items():
+        tree[f"layers_{layer}/{name}"] = (shape, "muon", tp(kind))
+      for norm in ("input_norm", "post_norm"):
+        tree[f"layers_{layer}/{norm}"] = ((d,), "adam", (None,))
+  return tree
+
+
+def read_tree(path):
+  with open(path) as f:
+    raw = json.load(f)
+  return {
+    k: (tuple(shape), label, tuple(spec))
+    for k, (shape, label, spec) in raw.items()
+  }
+
+
+def nest(flat: dict) -> dict:
+  """``{"a/b": x}`` → ``{"a": {"b": x}}``."""
+  tree: dict = {}
+  for path, value in flat.items():
+    node = tree
+    *parents, leaf = path.split("/")
+    for part in parents:
+      node = node.setdefault(part, {})
+    node[leaf] = value
+  return tree
+
+
+def shard_bytes(struct) -> int:
+  shape = struct.sharding.shard_shape(struct.shape)
+  return math.prod(shape) * jnp.dtype(struct.dtype).itemsize
+
+
+def tree_bytes(tree) -> int:
+  return sum(shard_bytes(x) for x in jax.tree.leaves(tree))
+
+
+def make_mesh(target: str, dp: int, tp: int):
+  if TARGETS[target] is None:
+    devices = jax.devices()[: dp * tp]
+  else:
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc(
+      platform="tpu", topology_name=TARGETS[target]
+    ).devices
+  if len(devices) != dp * tp:
+    raise SystemExit(
+      f"--mesh {dp}x{tp} needs {dp * tp} devices; {target} has {len(devices)}"
+    )
+  return jax.sharding.Mesh(np.array(devices).reshape(dp, tp), ("data", "model"))
+
+
+def optimizers(flat, mesh, modes, budget):
+  labels = nest({k: label for k, (_, label, _) in flat.items()})
+  specs = nest({k: P(*spec) for k, (_, _, spec) in flat.items()})
+  dims = nest(
+    {
+      k: (
+        optax.contrib.MuonDimensionNumbers(len(shape) - 2, len(shape) - 1)
+        if label == "muon"
+        else None
+      )
+      for k, (shape, label, _) in flat.items()
+    }
+  )
+  extra = {} if budget is None else {"memory_budget": budget}
+  out = {}
+  for mode in modes:
+    if mode == "optax.contrib.muon":
+      out[mode] = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
+      continue
+    out[mode] = om.muon(
+      0.02,
+      labels=labels,
+      dimension_numbers=dims,
+      sharding=om.TensorParallel(mesh, "model", mode, specs=specs),
+      **extra,
+    )
+  return out
+
+
+def abstract_tree(flat, mesh, dtype):
+  return nest(
+    {
+      k: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=NamedSharding(mesh, P(*spec))
+      )
+      for k, (shape, _, spec) in flat.items()
+    }
+  )
+
+
+def state_like(state, params):
+  """The abstract state, each param-shaped leaf sharded like its param (its
+  path ends with the param's), the rest replicated."""
+  by_path = {
+    tuple(str(k) for k in path): leaf
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+  }
+  mesh = jax.tree.leaves(params)[0].sharding.mesh
+  replicated = NamedSharding(mesh, P())
+
+  def place(path, leaf):
+    keys = tuple(str(k) for k in path)
+    for start in range(len(keys)):
+      param = by_path.get(keys[start:])
+      if param is not None and param.shape == leaf.shape:
+        return jax.ShapeDtypeStruct(
+          leaf.shape, leaf.dtype, sharding=param.sharding
+        )
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=replicated)
+
+  return jax.tree_util.tree_map_with_path(place, state)
+
+
+def measure(tx, params, name):
+  """The compiled update's memory and collectives (or the refusal)."""
+  state = state_like(jax.eval_shape(tx.init, params), params)
+  start = time.perf_counter()
+  record = {
+    "params_gib": tree_bytes(params) / GIB,
+    "grads_gib": tree_bytes(params) / GIB,
+    "state_gib": tree_bytes(state) / GIB,
+  }
+  try:
+    compiled = jax.jit(tx.update).lower(params, state, params).compile()
+  except Exception as error:  # the TPU compiler's refusal is a result here
+    text = str(error)
+    record.update(
+      compiled=False,
+      error=text.splitlines()[0][:300],
+      resource_exhausted="RESOURCE_EXHAUSTED" in text,
+      compile_s=time.perf_counter() - start,
+    )
+    return record
+  record["compile_s"] = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+  for key in ("argument", "output", "temp", "alias", "host_argument"):
+    value = getattr(memory, f"{key}_size_in_bytes", None)
+    if value is not None:
+      record[f"{key}_gib"] = value / GIB
+  kinds = collective_bytes(compiled.as_text())
+  record["collective_gib"] = {k: v / GIB for k, v in kinds.items() if v}
+  record["collective_total_gib"] = sum(kinds.values()) / GIB
+  record["compiled"] = True
+  resident = (
+    record["params_gib"]
+    + record["grads_gib"]
+    + record["state_gib"]
+    + record["temp_gib"]
+  )
+  record["resident_gib"] = resident
+  record["fits"] = {part: resident <= gib for part, gib in PARTS_GIB.items()}
+  return record
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default="llama3-8b")
+  parser.add_argument("--mesh", default="1x8", help="DPxTP")
+  parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+  parser.add_argument("--stacked", action="store_true")
+  parser.add_argument("--layers", type=int, default=None)
+  parser.add_argument("--target", default="cpu", choices=sorted(TARGETS))
+  parser.add_argument(
+    "--modes",
+    default=",".join(om.sharding.MODES + ("optax.contrib.muon",)),
+  )
+  parser.add_argument("--memory-budget", type=int, default=None)
+  parser.add_argument("--quick", action="store_true")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.model, args.target = "tiny", "cpu"
+  dp, tp = (int(x) for x in args.mesh.lower().split("x"))
+  flat = (
+    read_tree(args.model)
+    if args.model.endswith(".json")
+    else llama_tree(args.model, args.stacked, args.layers)
+  )
+  mesh = make_mesh(args.target, dp, tp)
+  params = abstract_tree(flat, mesh, DTYPES[args.dtype])
+  modes = args.modes.split(",")
+  records = {}
+  for name, tx in optimizers(flat, mesh, modes, args.memory_budget).items():
+    record = {
+      "benchmark": "at_scale",
+      "model": args.model,
+      "stacked": args.stacked,
+      "layers": args.layers,
+      "mesh": args.mesh,
+      "dtype": args.dtype,
+      "target": args.target,
+      "memory_budget": args.memory_budget,
+      "mode": name,
+      **measure(tx, params, name),
+    }
+    records[name] = record
+  base = records.get("duplicated", {}).get("collective_total_gib")
+  for record in records.values():
+    total = record.get("collective_total_gib")
+    if base and total is not None:
+      record["bytes_over_duplicated"] = total / base
+    emit(record)
+
+
+if __name__ == "__main__":
+  main()
