@@ -15,12 +15,19 @@ handled by ``TensorParallel.mode`` (Megatron-Core's ``muon_tp_mode``):
   scalar max and norm of the normalization). When the sharded side is the
   short one the Gram matrix would be the large one, so such a leaf is
   gathered as in ``duplicated`` (one all-gather moves less);
-* ``allgather``: leaves of the same shape once turned wide are stacked and
-  re-laid out with one all-to-all so that each rank holds whole matrices,
-  orthogonalizes its share, and a second all-to-all puts them back. A group
-  with fewer leaves than ranks is padded with zero matrices when that moves
-  fewer bytes than gathering each leaf (3 or more leaves), else it is
+* ``allgather``: the matrices of the same shape once turned wide (each
+  layer of a scanned stack, each expert, each per-layer leaf) are stacked
+  and re-laid out with one all-to-all so that each rank holds whole
+  matrices, orthogonalizes its share, and a second all-to-all puts them
+  back: an 80-layer stack at TP 8 sends 10 layers to each rank. A group
+  with fewer matrices than ranks is padded with zero matrices when that
+  moves fewer bytes than gathering each one (3 or more), else it is
   ``duplicated`` (see ``shares_out``).
+
+All of it runs in waves within ``memory_budget`` bytes per device
+(``optax_muon.waves``): a stack is split along its batch axis into parts
+(for ``allgather``, parts of whole matrices for every rank), and waves are
+ordered in the program.
 
 ``distribute_over="data"`` (Megatron's layer-wise distributed optimizer)
 further splits each group of same-shape matrices that is replicated over that
@@ -239,6 +246,61 @@ class _WideMember:
     return jnp.transpose(items.reshape(wide_shape), inverse)
 
 
+def _pieces(items: int, ranks: int, free_size: int) -> int:
+  """How many pieces each matrix is cut into along its free (not sharded)
+  side for an all-to-all: two when each rank would receive a single matrix
+  (the TPU compiler takes minutes over an all-to-all of one-item chunks, and
+  under a second over two-item ones), else one."""
+  return 2 if items == ranks and free_size % 2 == 0 else 1
+
+
+def _split_free(x: jax.Array, free: int, pieces: int) -> jax.Array:
+  """``(n, r, c)`` → ``(n·pieces, ...)``: each matrix cut along axis
+  ``free`` (1 rows, 2 columns), its pieces consecutive."""
+  if pieces == 1:
+    return x
+  n, r, c = x.shape
+  if free == 1:
+    return x.reshape(n * pieces, r // pieces, c)
+  x = x.reshape(n, r, pieces, c // pieces).transpose(0, 2, 1, 3)
+  return x.reshape(n * pieces, r, c // pieces)
+
+
+def _join_free(x: jax.Array, free: int, pieces: int) -> jax.Array:
+  """Inverse of ``_split_free``."""
+  if pieces == 1:
+    return x
+  n, a, b = x.shape
+  x = x.reshape(n // pieces, pieces, a, b)
+  if free == 1:
+    return x.reshape(n // pieces, pieces * a, b)
+  return x.transpose(0, 2, 1, 3).reshape(n // pieces, a, pieces * b)
+
+
+def _shards_to_whole(stack: jax.Array, axis_name, tp_dim: int) -> jax.Array:
+  """A stack ``(P, r, c)`` of local shards, split along ``tp_dim`` (1 or 2)
+  over the ``P`` ranks' matrices, re-laid out so that each rank holds its
+  ``P/N`` whole matrices: one all-to-all."""
+  ranks = jax.lax.axis_size(axis_name)
+  free = 3 - tp_dim
+  pieces = _pieces(stack.shape[0], ranks, stack.shape[free])
+  whole = jax.lax.all_to_all(
+    _split_free(stack, free, pieces), axis_name, 0, tp_dim, tiled=True
+  )
+  return _join_free(whole, free, pieces)
+
+
+def _whole_to_shards(whole: jax.Array, axis_name, tp_dim: int) -> jax.Array:
+  """Inverse of ``_shards_to_whole``."""
+  ranks = jax.lax.axis_size(axis_name)
+  free = 3 - tp_dim
+  pieces = _pieces(whole.shape[0] * ranks, ranks, whole.shape[free])
+  shards = jax.lax.all_to_all(
+    _split_free(whole, free, pieces), axis_name, tp_dim, 0, tiled=True
+  )
+  return _join_free(shards, free, pieces)
+
+
 def _allgather_unit(member: _WideMember, ranks: int) -> int:
   """Slices of the member's split axis whose matrices fill whole matrices for
   every rank (no zero padding in an all-to-all)."""
@@ -386,16 +448,13 @@ def orthogonalize_sharded(
       count = stack.shape[0]
       padded = -(-count // tp.size) * tp.size
       stack = jnp.pad(stack, ((0, padded - count), (0, 0), (0, 0)))
-      whole = jax.lax.all_to_all(
-        stack, tp.axis, 0, first.wide_tp_dim, tiled=True
-      )
+      whole = _shards_to_whole(stack, tp.axis, first.wide_tp_dim)
       return [whole], (count, [x.shape for x in inputs])
 
     def restore(ms, context):
       count, shapes = context
       (done,) = ms
-      back = jax.lax.all_to_all(done, tp.axis, first.wide_tp_dim, 0, tiled=True)
-      back = back[:count]
+      back = _whole_to_shards(done, tp.axis, first.wide_tp_dim)[:count]
       outputs, start = [], 0
       for member, shape in zip(members, shapes):
         n = math.prod(shape[a] for a in member.view.batch_axes)

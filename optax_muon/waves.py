@@ -155,26 +155,26 @@ def _solve(tasks, inputs, solvers):
 
 
 def _solve_in_parts(task, inputs, part, solvers, one=None):
-  """A split task's outputs: a loop over its parts along ``task.axis``, each
-  part's result written in place; with ``one`` (``_one_after``), the loop
-  starts at ``one - 1`` (zero, known only once the previous wave is done)."""
+  """A split task's outputs: a loop over its parts along ``task.axis``. The
+  loop carries the inputs and overwrites each part with its result once it
+  is read (parts are disjoint), so the results need no buffer of their own.
+  With ``one`` (``_one_after``) the loop starts at ``one - 1``: zero, known
+  only once the previous wave is done."""
   axis = task.axis
   start = 0 if one is None else (one - 1).astype(jnp.int32)
 
-  def body(i, outputs):
+  def body(i, carried):
     pieces = [
-      jax.lax.dynamic_slice_in_dim(x, i * part, part, axis=axis) for x in inputs
+      jax.lax.dynamic_slice_in_dim(x, i * part, part, axis=axis)
+      for x in carried
     ]
     (results,) = _solve([task], [pieces], solvers)
     return tuple(
-      jax.lax.dynamic_update_slice_in_dim(
-        out, r.astype(out.dtype), i * part, axis
-      )
-      for out, r in zip(outputs, results)
+      jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), i * part, axis)
+      for x, r in zip(carried, results)
     )
 
-  init = tuple(jnp.zeros_like(x) for x in inputs)
-  return list(jax.lax.fori_loop(start, task.count // part, body, init))
+  return list(jax.lax.fori_loop(start, task.count // part, body, tuple(inputs)))
 
 
 def _one_after(previous):
