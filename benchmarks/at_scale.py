@@ -7,7 +7,8 @@
 Nothing is allocated: the params, grads and state are
 ``jax.ShapeDtypeStruct``s with ``NamedSharding``s, and ``jax.jit(tx.update)``
 is lowered and compiled for the target's devices. ``--target cpu`` uses 8
-simulated CPU devices; ``--target tpu-v5p-8`` (``v5p:2x2x2``) a TPU
+simulated CPU devices; ``--target gpu`` this machine's accelerators (a
+1-GPU machine: ``--mesh 1x1``); ``--target tpu-v5p-8`` (``v5p:2x2x2``) a TPU
 topology's devices with no TPU present (``jax.experimental.topologies``,
 needs libtpu: ``pip install -e ".[tpu-compile]"``, which pins ``jax[tpu]``
 to the installed jax), so the TPU compiler's own buffer assignment is read,
@@ -25,7 +26,8 @@ each kernel one ``[L, in, out]`` leaf as ``nn.scan`` / MaxText's
 ``{"path/to/leaf": [[shape...], "muon"|"adam", [spec entries...]]}`` (dump
 one with ``jax.eval_shape`` and your partition specs).
 
-For each ``tp_mode`` and for ``optax.contrib.muon`` under GSPMD it prints a
+For each ``tp_mode`` (``--mesh 1x1``: one device, ``om.muon`` without
+``sharding``) and for ``optax.contrib.muon`` under GSPMD it prints a
 JSON line: per device the params, grads and state bytes, the compiler's
 argument, output and temporary bytes, the collective bytes by kind (loop
 bodies counted trip-count times), compile seconds, and whether params +
@@ -42,9 +44,14 @@ import sys
 import time
 
 _ARGS = sys.argv[1:]
-if "--target" in _ARGS and _ARGS[_ARGS.index("--target") + 1].startswith("tpu"):
+_TARGET = (
+  _ARGS[_ARGS.index("--target") + 1] if "--target" in _ARGS[:-1] else "cpu"
+)
+if _TARGET.startswith("tpu"):
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-else:
+  # no TPU is opened, so one run need not lock out the next
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+elif _TARGET == "cpu":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
@@ -68,7 +75,8 @@ MODELS = {
   "llama3-70b": (8192, 28672, 64, 8, 128, 80, 128256),
   "tiny": (256, 1024, 8, 4, 32, 4, 1024),  # --quick
 }
-TARGETS = {"cpu": None, "tpu-v5p-8": "v5p:2x2x2"}
+# None: this machine's own devices (8 simulated ones for "cpu")
+TARGETS = {"cpu": None, "gpu": None, "tpu-v5p-8": "v5p:2x2x2"}
 PARTS_GIB = {"80GB": 80e9 / 2**30, "95GB": 95.74, "141GB": 141e9 / 2**30}
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 GIB = 2**30
@@ -145,7 +153,7 @@ def make_mesh(target: str, dp: int, tp: int):
 
     devices = topologies.get_topology_desc(
       platform="tpu", topology_name=TARGETS[target]
-    ).devices
+    ).devices[: dp * tp]
   if len(devices) != dp * tp:
     raise SystemExit(
       f"--mesh {dp}x{tp} needs {dp * tp} devices; {target} has {len(devices)}"
@@ -172,12 +180,13 @@ def optimizers(flat, mesh, modes, budget):
     if mode == "optax.contrib.muon":
       out[mode] = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
       continue
+    sharding = (
+      None
+      if mode == "unsharded"
+      else om.TensorParallel(mesh, "model", mode, specs=specs)
+    )
     out[mode] = om.muon(
-      0.02,
-      labels=labels,
-      dimension_numbers=dims,
-      sharding=om.TensorParallel(mesh, "model", mode, specs=specs),
-      **extra,
+      0.02, labels=labels, dimension_numbers=dims, sharding=sharding, **extra
     )
   return out
 
@@ -283,6 +292,8 @@ def main(argv=None):
   mesh = make_mesh(args.target, dp, tp)
   params = abstract_tree(flat, mesh, DTYPES[args.dtype])
   modes = args.modes.split(",")
+  if dp * tp == 1:  # one device: no tensor parallelism to choose
+    modes = ["unsharded"] + [m for m in modes if m == "optax.contrib.muon"]
   records = {}
   for name, tx in optimizers(flat, mesh, modes, args.memory_budget).items():
     record = {
