@@ -102,6 +102,8 @@ def optimizers(params, dims, nesterov: bool = False):
     precision="highest",
     adam_eps=1e-8,
     method=method,
+    # optax's dimension numbers where it is given them (the stacked tree)
+    dimension_numbers=dims,
   )
   optax_settings = dict(
     ns_coeffs="dion",
