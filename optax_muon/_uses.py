@@ -98,8 +98,19 @@ class Product:
   axis) makes them batch axes. ``halves``: ``(leaf, leaf axis, 0 or 1)``
   when the value is one half of such an axis (a fused gate/up's gate or up)."""
 
-  axes: tuple[frozenset[tuple[int, int]], ...]
+  axes: tuple[frozenset[tuple], ...]
   halves: frozenset[tuple[int, int, int]] = frozenset()
+
+
+def _part(pair: tuple) -> tuple:
+  """``(leaf, axis)`` of a product axis seen as one piece of that axis (a
+  reshape split it: RoPE's value pairs, halves of ``head_dim``): taking a
+  piece apart does not make the leaf axis a batch axis."""
+  return pair if len(pair) == 3 else (*pair, "part")
+
+
+def _whole(pair: tuple) -> tuple:
+  return pair[:2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +118,10 @@ class Use:
   # "dot", "conv", "depthwise", "gather", "vector", "unknown"; and for an
   # output axis of a matmul's product: "split" (indexed apart), "expert"
   # (a batch dim of another param's matmul), "gated" (its two halves
-  # multiplied together: a fused gate/up)
+  # multiplied together: a fused gate/up), "attention" (batched or
+  # contracted against another parameter's product, or contracted by
+  # another parameter's matmul: an axis the structure has classed, which a
+  # name may not make an expert axis)
   kind: str
   reduction: frozenset[int] = frozenset()
   output: frozenset[int] = frozenset()
@@ -157,8 +171,12 @@ class Analysis:
     )
 
   def mark(self, pairs, kind: str, reason: str) -> None:
-    """Records ``kind`` for each ``(leaf, axis)`` of a product's axis."""
-    for leaf, axis in pairs:
+    """Records ``kind`` for each ``(leaf, axis)`` of a product's axis (not
+    for pieces of an axis: see ``_part``)."""
+    for pair in pairs:
+      if len(pair) != 2:
+        continue
+      leaf, axis = pair
       if leaf < self.count:
         self.uses[leaf].add(Use(kind, output=frozenset({axis}), reason=reason))
 
@@ -223,15 +241,32 @@ class Analysis:
       return [prods[0]] * len(eqn.outvars)
     if name == "dot_general":
       (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
-      for prod, other, batch in (
-        (prods[0], values[1], lhs_b),
-        (prods[1], values[0], rhs_b),
+      if prods[0] is not None and prods[1] is not None:  # q·k, scores·v
+        for prod, dims in (
+          (prods[0], lhs_b + lhs_c),
+          (prods[1], rhs_b + rhs_c),
+        ):
+          for axis in dims:
+            self.mark(
+              {_whole(p) for p in prod.axes[axis]},
+              "attention",
+              "batched or contracted against another product",
+            )
+      for prod, other, batch, contracting in (
+        (prods[0], values[1], lhs_b, lhs_c),
+        (prods[1], values[0], rhs_b, rhs_c),
       ):
         if (
           prod is not None
           and isinstance(other, View)
           and (other.leaf < self.count)
         ):
+          for axis in contracting:
+            self.mark(
+              {_whole(p) for p in prod.axes[axis]},
+              "attention",
+              "contracted by another parameter's matmul",
+            )
           for axis in batch:
             self.mark(
               prod.axes[axis],
@@ -239,6 +274,8 @@ class Analysis:
               "a batch dim of another parameter's matmul",
             )
       return None
+    if name == "reshape" and prods[0] is not None and not any(values[1:]):
+      return [_reshape_product(prods[0], eqn)]
     if name in VIEW_OPS and prods[0] is not None and not any(values[1:]):
       return [VIEW_OPS[name](prods[0], eqn)]
     rank = len(eqn.outvars[0].aval.shape) if eqn.outvars else -1
@@ -435,9 +472,10 @@ def _halved(product: Product, halves) -> Product:
     product,
     halves=product.halves
     | {
-      (leaf, leaf_axis, half)
+      (pair[0], pair[1], half)
       for axis, half in halves
-      for leaf, leaf_axis in product.axes[axis]
+      for pair in product.axes[axis]
+      if len(pair) == 2
     },
   )
 
@@ -503,11 +541,10 @@ def _transpose(view, eqn):
   )
 
 
-def _reshape(view, eqn):
-  """Whole axes merged or split: each output axis covers the input axes of
-  its group."""
-  old, new = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
-  axes, i, j = [], 0, 0
+def _reshape_groups(old, new):
+  """The axes of a reshape from ``old`` to ``new`` in groups ``(old axes,
+  new axes)`` of equal size (whole axes merged or split), or ``None``."""
+  groups, i, j = [], 0, 0
   while i < len(old) or j < len(new):
     group_old, group_new = [i], [j]
     size_old = old[i] if i < len(old) else 1
@@ -525,14 +562,54 @@ def _reshape(view, eqn):
           return None
         group_new.append(j)
         size_new *= new[j]
-    covered = union(*[view.axes[a] for a in group_old if a < len(old)])
-    axes += [covered] * len([b for b in group_new if b < len(new)])
+    groups.append(
+      (
+        [a for a in group_old if a < len(old)],
+        [b for b in group_new if b < len(new)],
+      )
+    )
     i, j = i + 1, j + 1
+  return groups
+
+
+def _reshape(view, eqn):
+  """Whole axes merged or split: each output axis covers the input axes of
+  its group."""
+  old, new = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+  groups = _reshape_groups(old, new)
+  if groups is None:
+    return None
+  axes = []
+  for group_old, group_new in groups:
+    axes += [union(*[view.axes[a] for a in group_old])] * len(group_new)
   return (
     dataclasses.replace(view, axes=tuple(axes))
     if len(axes) == len(new)
     else None
   )
+
+
+def _reshape_product(product: Product, eqn):
+  """``_reshape`` of a product: an axis split into several (of more than one
+  element each) becomes pieces (``_part``) in each; pieces merged back make
+  the whole axis again."""
+  old, new = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+  groups = _reshape_groups(old, new)
+  if groups is None:
+    return None
+  axes = []
+  for group_old, group_new in groups:
+    covered = union(*[product.axes[a] for a in group_old])
+    real_new = [b for b in group_new if new[b] > 1]
+    real_old = [a for a in group_old if old[a] > 1]
+    if len(real_old) == 1 and len(real_new) > 1:  # one axis split
+      covered = frozenset(_part(p) for p in covered)
+    elif len(real_old) > 1 and len(real_new) == 1:  # axes merged
+      covered = frozenset(_whole(p) for p in covered)
+    axes += [covered] * len(group_new)
+  if len(axes) != len(new):
+    return None
+  return dataclasses.replace(product, axes=tuple(axes))
 
 
 def _squeeze(view, eqn):

@@ -158,8 +158,15 @@ def _decide(
         f"; output axis {', '.join(map(str, sorted(axes)))} is "
         f"{why}: a batch axis"
       )
-  if len(output) > 1 and _EXPERT_NAMES.search(_paths.path_string(path)):
-    batch_axis = min(output)
+  # a name breaks a tie the structure leaves open; it never overrides it
+  classed = _uses.union(*[u.output for u in uses if u.kind == "attention"])
+  undecided = output - classed
+  if (
+    len(output) > 1
+    and undecided
+    and _EXPERT_NAMES.search(_paths.path_string(path))
+  ):
+    batch_axis = min(undecided)
     output = output - {batch_axis}
     reason += (
       f"; axis {batch_axis} is a free dim under an expert/moe path, "
