@@ -212,6 +212,33 @@ def _decide(
   return role, labels_lib.MUON, dims, reason
 
 
+def _fall_back(path, leaf, label, reason):
+  """``(dims, reason)`` of a leaf whose use the walk could not read (a
+  ``pallas_call``, a custom call): its role stays ``unknown`` and the name
+  rules' ``label`` routes it; a 2-axis Muon leaf is ``(in, out)``, one of
+  3+ axes under an expert/moe path has its leading axes as experts (batch)
+  and its last two as ``(in, out)``; any other Muon leaf of 3+ axes gets no
+  dimension numbers, so ``om.muon`` raises at ``init`` naming it."""
+  reason += "; decided by the fallback rules"
+  ndim = jnp.ndim(leaf)
+  if label != labels_lib.MUON:
+    return None, reason + f": the name rules route it to {label}"
+  if ndim == 2:
+    return None, reason + ": the name rules route it to muon, as (in, out)"
+  if _EXPERT_NAMES.search(_paths.path_string(path)):
+    dims = MuonDimensionNumbers(
+      reduction_axis=(ndim - 2,), output_axis=(ndim - 1,)
+    )
+    return dims, (
+      reason + ": under an expert/moe path, the leading axes are experts "
+      "(batch) and the last two (in, out)"
+    )
+  return None, (
+    reason + ": none decides which of its axes form the matrices; give "
+    "dimension_numbers= or labels= for it"
+  )
+
+
 def _infer(fn, params, args, kwargs, output, frozen_args: int = 0) -> Layout:
   """``frozen_args``: how many of ``args`` are frozen weights (the module's
   other state), seen, like closed-over constants, as weights, not inputs."""
@@ -245,6 +272,8 @@ def _infer(fn, params, args, kwargs, output, frozen_args: int = 0) -> Layout:
   for (path, leaf), fallback, (role, label, dims, reason) in zip(
     leaves, default, decided
   ):
+    if role == "unknown" and label is None:
+      dims, reason = _fall_back(path, leaf, fallback, reason)
     rows.append((path, leaf, role, label or fallback, dims, reason))
   unflat = lambda values: jax.tree.unflatten(treedef, values)
   return Layout(
@@ -261,6 +290,7 @@ def _infer(fn, params, args, kwargs, output, frozen_args: int = 0) -> Layout:
           label,
           layout_lib.matrix_view(jnp.shape(leaf), dims)
           if label == labels_lib.MUON
+          and (dims is not None or jnp.ndim(leaf) == 2)
           else None,
           reason,
         )

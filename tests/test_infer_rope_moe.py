@@ -200,3 +200,83 @@ def test_a_name_still_breaks_a_tie_the_structure_leaves_open():
   layout = om.infer_layout(forward, params, X, output=lambda o: ())
   assert layout.dimension_numbers["moe"]["experts"] == MDN((1,), (2,))
   assert "by name" in layout.reasons["moe"]["experts"]
+
+
+# -- opaque kernels: a use the walk cannot read never aborts the inference --
+
+
+def _pallas_matmul(x, w):
+  from jax.experimental import pallas as pl  # noqa: PLC0415
+
+  def kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = x_ref[...] @ w_ref[...]
+
+  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
+  return pl.pallas_call(kernel, out_shape=out, interpret=True)(x, w)
+
+
+def _opaque_moe(expert_matmul, outer="moe"):
+  """Experts ``wi (E, D, F)``, ``wo (E, F, D)`` through ``expert_matmul``
+  (a Pallas kernel, or ``ragged_dot``), a router, attention-free."""
+
+  def forward(p, x):
+    experts = p[outer]
+    hidden = expert_matmul(x, experts["wi"])  # (T, E, F)
+    out = jnp.einsum("tef,efd->ted", jax.nn.gelu(hidden), experts["wo"])
+    weights = jax.nn.softmax(x @ experts["router"])
+    return jnp.einsum("ted,te->td", out, weights) @ p["head"]
+
+  return forward
+
+
+def _opaque_params(outer="moe"):
+  return {
+    outer: {
+      "wi": jnp.zeros((4, D, 24)),
+      "wo": jnp.zeros((4, 24, D)),
+      "router": jnp.zeros((D, 4)),
+    },
+    "head": jnp.zeros((D, 10)),
+  }
+
+
+def _per_expert_pallas(x, wi):
+  return jnp.stack([_pallas_matmul(x, wi[e]) for e in range(wi.shape[0])], 1)
+
+
+def _per_expert_ragged(x, wi):
+  # every token to every expert, grouped: (E·T, D) rows in E groups of T
+  rows = jnp.tile(x, (wi.shape[0], 1))
+  sizes = jnp.full((wi.shape[0],), x.shape[0], jnp.int32)
+  out = jax.lax.ragged_dot(rows, wi, sizes)  # (E·T, F)
+  return out.reshape(wi.shape[0], x.shape[0], -1).transpose(1, 0, 2)
+
+
+def test_a_pallas_expert_kernel_is_decided_by_the_fallback_rules():
+  layout = om.infer_layout(_opaque_moe(_per_expert_pallas), _opaque_params(), X)
+  reason = layout.reasons["moe"]["wi"]
+  assert "pallas_call" in reason and "fallback" in reason, reason
+  assert layout.roles["moe"]["wi"] == "unknown"  # the use was not read
+  assert layout.dimension_numbers["moe"]["wi"] == MDN((1,), (2,))
+  # the rest of the model is read as without the kernel
+  assert layout.dimension_numbers["moe"]["wo"] == MDN((1,), (2,))
+  assert layout.roles["head"] == "head"
+  assert "pallas_call" in str(layout)  # the table says the use was not read
+
+
+def test_ragged_dot_experts_read_as_a_grouped_matmul_like_dense_ones():
+  ragged = om.infer_layout(_opaque_moe(_per_expert_ragged), _opaque_params(), X)
+  assert ragged.dimension_numbers["moe"]["wi"] == MDN((1,), (2,))
+  assert "fallback" not in ragged.reasons["moe"]["wi"]
+
+
+def test_an_opaque_leaf_no_rule_decides_is_unknown_and_muon_names_it():
+  # the same Pallas experts under a path that names no experts
+  layout = om.infer_layout(
+    _opaque_moe(_per_expert_pallas, "block"), _opaque_params("block"), X
+  )
+  assert layout.roles["block"]["wi"] == "unknown"
+  assert "dimension_numbers=" in layout.reasons["block"]["wi"]
+  params = jax.tree.map(lambda v: gaussian(v.shape, 1), _opaque_params("block"))
+  with pytest.raises(ValueError, match="block/wi"):
+    om.muon(0.02, layout=layout).init(params)
