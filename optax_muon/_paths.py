@@ -105,8 +105,26 @@ class FromLayout:
   (a whole model's layout for an optimizer of its adapters): its entries are
   looked up by path and those no leaf has are ignored."""
 
-  def __init__(self, tree):
+  def __init__(self, tree, shapes: dict | None = None):
     self.tree = tree
+    self.shapes = shapes  # {path: shape} of the leaves it was read from
+
+  def check_shapes(self, tree) -> None:
+    """Raises when a leaf of ``tree`` that the layout describes has another
+    shape than the one the layout was read from (a layout of another
+    model)."""
+    if not self.shapes:
+      return
+    for path, leaf in leaves_with_paths(tree)[0]:
+      want = self.shapes.get(path)
+      if want is not None and hasattr(leaf, "shape"):
+        got = tuple(leaf.shape)
+        if got != tuple(want):
+          raise ValueError(
+            f"layout= was read from a model whose leaf "
+            f"{path_string(path) or '<root>'} has shape {tuple(want)}, but "
+            f"the params' has shape {got}; infer the layout from this model"
+          )
 
 
 def _type_name(types) -> str:
@@ -140,6 +158,7 @@ class PathLookup:
     type_name: str | None = None,
   ):
     self._name = name
+    self._layout = spec if isinstance(spec, FromLayout) else None
     self._strict = not isinstance(spec, FromLayout)
     self._spec = spec.tree if isinstance(spec, FromLayout) else spec
     self._single_type = single_type
@@ -170,6 +189,8 @@ class PathLookup:
     return table
 
   def resolve(self, tree) -> Callable[[Path], Any]:
+    if self._layout is not None:
+      self._layout.check_shapes(tree)
     spec = self._spec(tree) if self._is_function() else self._spec
     if self._is_single(spec):
       value = self._default if spec is None else spec

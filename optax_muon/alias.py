@@ -193,9 +193,10 @@ def from_layout(layout, labels, dimension_numbers):
       f"layout must be an om.Layout (from om.infer_layout), got "
       f"{type(layout).__name__}"
     )
+  shapes = getattr(layout, "shapes", None)
   return (
-    _paths.FromLayout(layout.labels),
-    _paths.FromLayout(layout.dimension_numbers),
+    _paths.FromLayout(layout.labels, shapes),
+    _paths.FromLayout(layout.dimension_numbers, shapes),
   )
 
 

@@ -66,6 +66,8 @@ class Layout:
       default view), for ``om.muon(dimension_numbers=...)``.
     roles: a tree of ``ROLES`` entries.
     reasons: a tree of strings: which rule decided.
+    shapes: ``{path: shape}`` of the leaves it was read from; ``om.muon``
+      raises at ``init`` when a param it describes has another shape.
   """
 
   labels: Any
@@ -73,6 +75,7 @@ class Layout:
   roles: Any
   reasons: Any
   table: str = dataclasses.field(repr=False, default="")
+  shapes: dict = dataclasses.field(repr=False, default_factory=dict)
 
   def __str__(self) -> str:
     return self.table
@@ -277,6 +280,7 @@ def _infer(fn, params, args, kwargs, output, frozen_args: int = 0) -> Layout:
     rows.append((path, leaf, role, label or fallback, dims, reason))
   unflat = lambda values: jax.tree.unflatten(treedef, values)
   return Layout(
+    shapes={path: tuple(jnp.shape(leaf)) for path, leaf, *_ in rows},
     labels=unflat([r[3] for r in rows]),
     dimension_numbers=unflat([r[4] for r in rows]),
     roles=unflat([r[2] for r in rows]),
@@ -478,17 +482,21 @@ def describe(
       dimension_numbers, split_qkv, split_gate_up
     )(muon_only)
   }
+  # with a layout, its roles and reasons: the same table as print(layout)
+  role_of, reason_of = {}, {}
+  if layout is not None:
+    role_of = dict(_paths.leaves_with_paths(layout.roles)[0])
+    reason_of = dict(_paths.leaves_with_paths(layout.reasons)[0])
   rows = []
   for path, leaf in leaves:
     view = view_of.get(path)
     role = (
       ("split qkv" if len(view.widths) == 3 else "split gate/up")
       if view is not None and view.widths
-      else "matrix"
-      if view is not None
-      else "—"
+      else role_of.get(path) or ("matrix" if view is not None else "—")
     )
-    rows.append((path, leaf, role, label_of[path], view))
+    reason = [reason_of.get(path, "—")] if layout is not None else []
+    rows.append((path, leaf, role, label_of[path], view, *reason))
   return _table(
     rows,
     lambda fan_out, fan_in: (

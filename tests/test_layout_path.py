@@ -403,3 +403,31 @@ def test_an_nnx_state_layout_is_read_by_path():
     _update(by_hand, params, grads),
     _update(om.muon(1e-2, layout=layout), params, grads),
   )
+
+
+def test_describe_with_a_layout_shows_the_layouts_roles_and_rules():
+  def forward(p, x):
+    h = jnp.einsum("td,dnh->tnh", x, p["q"]).reshape(x.shape[0], -1)
+    return h @ p["head"] + p["bias"]
+
+  params = {
+    "q": jnp.zeros((8, 2, 4)),
+    "head": jnp.zeros((8, 5)),
+    "bias": jnp.zeros((5,)),
+  }
+  layout = om.infer_layout(forward, params, jnp.ones((3, 8)))
+  table = om.describe(params, layout=layout)
+  assert table == str(layout)
+  for line in table.splitlines()[1:]:
+    path = line.split()[0]
+    assert layout.roles[path] in line and layout.reasons[path] in line
+
+
+def test_a_layout_of_another_model_raises_at_init_naming_the_leaf():
+  forward = lambda p, x: x @ p["w1"] @ p["w2"]
+  small = {"w1": jnp.zeros((8, 16)), "w2": jnp.zeros((16, 4))}
+  layout = om.infer_layout(forward, small, jnp.ones((2, 8)))
+  other = {"w1": jnp.zeros((8, 32)), "w2": jnp.zeros((32, 4))}
+  with pytest.raises(ValueError, match=r"w1 has shape \(8, 16\).*\(8, 32\)"):
+    om.muon(0.02, layout=layout).init(other)
+  om.muon(0.02, layout=layout).init(small)  # its own model is accepted
