@@ -27,6 +27,7 @@ leading axes of ``max_logits`` (``(..., num_heads)``).
 """
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -201,6 +202,7 @@ def clip_qk(
   num_heads: int,
   num_kv_heads: int,
   head_dim: int,
+  layer_axis: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   r"""Rescales the query and key kernels of groups whose logits exceed τ.
 
@@ -219,6 +221,9 @@ def clip_qk(
     num_heads: query heads.
     num_kv_heads: key/value heads (query groups); divides ``num_heads``.
     head_dim: width of one head.
+    layer_axis: the kernels' axis of stacked layers when it is not leading
+      (MaxText's ``param_scan_axis=1``: ``(in, layers, ...)``); then
+      ``max_logits`` is ``(layers, num_heads)``.
 
   Returns:
     ``(q_kernel, k_kernel)`` rescaled.
@@ -238,20 +243,105 @@ def clip_qk(
       alpha,
       num_heads,
       num_kv_heads,
+      layer_axis,
+      f"{part}_kernel",
+      _WIDTHS["mha"],
     )
     for kernel, part in ((q_kernel, "q"), (k_kernel, "k"))
   )
 
 
+_WIDTHS = {
+  "mha": "num_heads·head_dim (q) or num_kv_heads·head_dim (k)",
+  "mla": "num_heads·(qk_nope_head_dim + qk_rope_head_dim) (q) or "
+  "num_heads·(qk_nope_head_dim + v_head_dim) (kv)",
+  "qkv": "the split_qkv's fused width",
+}
+
+
+def check_kernel(
+  shape, columns: np.ndarray, layer_axis, where: str, fields: str
+) -> None:
+  """Raises ``ValueError`` when a kernel of ``shape`` cannot hold the
+  ``columns`` (``(..., in, width)`` or ``(..., in, heads, head_dim)``) or
+  its ``layer_axis`` is not one of its leading axes."""
+  shape = tuple(shape)
+  width = columns.shape[-1]
+  if layer_axis is not None:
+    _checks.check_int("layer_axis", layer_axis, minimum=0)
+    matrix_axes = 2 if shape[-1:] == (width,) else 3
+    if layer_axis >= len(shape) - matrix_axes + 1 or len(shape) < 3:
+      raise ValueError(
+        f"layer_axis={layer_axis} of {where} (shape {shape}) is not one of "
+        f"its stacked-layer axes; accepted: 0 to "
+        f"{max(len(shape) - matrix_axes, 0)} (an axis before the kernel's "
+        "(in, width) or (in, heads, head_dim) axes)"
+      )
+    shape = shape[:layer_axis] + shape[layer_axis + 1 :]
+  if not (
+    shape[-1:] == (width,)
+    or (len(shape) >= 3 and shape[-2] * shape[-1] == width)
+  ):
+    raise ValueError(
+      f"{where} of shape {shape} has no (in, {width}) or (in, heads, "
+      f"head_dim) axes of width {width} = {fields}; check those fields"
+    )
+
+
+def _layers_first(max_logits, kernel, layer_axis, where: str):
+  """``kernel`` with its ``layer_axis`` moved to the front, checked
+  against ``max_logits`` ``(layers, ..., heads)``."""
+  if layer_axis is None:
+    return kernel
+  kernel = jnp.moveaxis(kernel, layer_axis, 0)
+  if jnp.ndim(max_logits) < 2 or jnp.shape(max_logits)[0] != kernel.shape[0]:
+    raise ValueError(
+      f"{where} has {kernel.shape[0]} layers on axis {layer_axis}, so "
+      f"max_logits must be ({kernel.shape[0]}, num_heads); got shape "
+      f"{tuple(jnp.shape(max_logits))}"
+    )
+  return kernel
+
+
 def _rescale(
-  kernel, max_logits, columns, threshold, alpha, num_heads, num_kv_heads
+  kernel,
+  max_logits,
+  columns,
+  threshold,
+  alpha,
+  num_heads,
+  num_kv_heads,
+  layer_axis=None,
+  where="kernel",
+  fields="",
 ):
+  check_kernel(jnp.shape(kernel), columns, layer_axis, where, fields)
+  kernel = _layers_first(max_logits, kernel, layer_axis, where)
+  # (..., in, width) or (..., in, heads, head_dim): the one whose leading
+  # (stacked-layer) axes are max_logits' (one head makes both fit the width)
+  width, shape = columns.shape[-1], tuple(kernel.shape)
+  logits_lead = tuple(jnp.shape(max_logits)[:-1])
+  forms = [
+    k
+    for k in (2, 3)
+    if len(shape) >= k
+    and math.prod(shape[-(k - 1) :]) == width
+    and shape[:-k] == logits_lead
+  ]
+  if not forms:
+    raise ValueError(
+      f"{where} of shape {shape} has no stacked-layer axes matching "
+      f"max_logits of shape {tuple(jnp.shape(max_logits))} (its leading "
+      f"axes {logits_lead}); when the kernel's layers are not its leading "
+      "axes, pass layer_axis="
+    )
   factor, _ = column_factors(
     max_logits, columns, threshold, alpha, num_heads, num_kv_heads
   )
-  return (kernel * _by_column(factor, kernel).astype(kernel.dtype)).astype(
+  out = (kernel * _by_column(factor, kernel).astype(kernel.dtype)).astype(
     kernel.dtype
   )
+  return out if layer_axis is None else jnp.moveaxis(out, 0, layer_axis)
 
 
 def _check_mla(num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
@@ -275,6 +365,7 @@ def clip_mla_qk(
   qk_nope_head_dim: int,
   qk_rope_head_dim: int,
   v_head_dim: int,
+  layer_axis: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   r"""QK-clip of one multi-head latent attention (MLA) layer.
 
@@ -301,6 +392,8 @@ def clip_mla_qk(
     qk_rope_head_dim: per-head width of the rotary query (and of the shared
       rotary key).
     v_head_dim: per-head width of the values.
+    layer_axis: as in ``clip_qk`` (MaxText's scanned MLA: ``(rank, layers,
+      heads, dim)`` is ``layer_axis=1``).
 
   Returns:
     ``(q_kernel, kv_kernel)`` rescaled.
@@ -322,6 +415,9 @@ def clip_mla_qk(
       alpha,
       num_heads,
       num_heads,
+      layer_axis,
+      f"{part}_kernel",
+      _WIDTHS["mla"],
     )
     for kernel, part in ((q_kernel, "q"), (kv_kernel, "kv"))
   )
@@ -336,6 +432,8 @@ class _Layer:
   parts: tuple[tuple[tuple[str, ...], np.ndarray], ...]
   num_heads: int
   num_kv_heads: int
+  layer_axis: int | None = None
+  fields: str = ""
 
 
 def _as_path(path) -> tuple[str, ...]:
@@ -411,7 +509,14 @@ def _layer(name: str, spec: Mapping[str, Any]) -> _Layer:
         num_heads,
         num_kv_heads,
       )
-  unknown = set(spec) - set(keys)
+  layer_axis = spec.get("layer_axis")
+  if layer_axis is not None:
+    _checks.check_int(f"{where}['layer_axis']", layer_axis, minimum=0)
+  kind = "qkv" if "qkv" in spec else "mla" if "kv" in spec else "mha"
+  layer = dataclasses.replace(
+    layer, layer_axis=layer_axis, fields=_WIDTHS[kind]
+  )
+  unknown = set(spec) - set(keys) - {"layer_axis"}
   if unknown:
     raise ValueError(
       f"{where} has unknown keys {sorted(unknown)}; accepted keys: {_ACCEPTED}"
@@ -452,7 +557,9 @@ def qk_clip(
       multi-head latent attention (see ``clip_mla_qk``), ``{"q": path (wq_b),
       "kv": path (wkv_b), "num_heads": H, "qk_nope_head_dim": dn,
       "qk_rope_head_dim": dr, "v_head_dim": dv}``; a path is ``"a/b/kernel"``
-      or a tuple of keys. ``max_logits`` is a dict with
+      or a tuple of keys; ``"layer_axis": k`` when the kernels' stacked
+      layers are on axis ``k`` rather than leading (see ``clip_qk``). Head
+      sizes that do not match a kernel's width raise at ``init``. ``max_logits`` is a dict with
       the same keys, each ``(..., num_heads)`` (leading axes: stacked layers).
 
   Returns:
@@ -466,10 +573,20 @@ def qk_clip(
   layers = _layers(attention)
 
   def init_fn(params):
+    param_of = dict(_paths.leaves_with_paths(params)[0])
     for layer in layers:
       _paths.check_paths_known(
         f"attention[{layer.name!r}]", [path for path, _ in layer.parts], params
       )
+      for path, columns in layer.parts:
+        if path in param_of:  # head sizes against the kernel, here
+          check_kernel(
+            jnp.shape(param_of[path]),
+            columns,
+            layer.layer_axis,
+            f"attention[{layer.name!r}] kernel {'/'.join(path)}",
+            layer.fields,
+          )
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None, *, max_logits=None, **extra_args):
@@ -506,14 +623,19 @@ def qk_clip(
           layer.num_kv_heads,
         )
         i, p = index[path], param_of[path]
-        stepped = p + new[i]
+        where = f"attention[{layer.name!r}] kernel {'/'.join(path)}"
+        axis = layer.layer_axis
+        p = _layers_first(max_logits[layer.name], p, axis, where)
+        update = _layers_first(max_logits[layer.name], new[i], axis, where)
+        stepped = p + update
         factor = _by_column(factor, stepped).astype(stepped.dtype)
         # unclipped columns keep the incoming update bit for bit
-        new[i] = jnp.where(
+        out = jnp.where(
           _by_column(clipped, stepped),
-          (stepped * factor - p).astype(new[i].dtype),
-          new[i],
+          (stepped * factor - p).astype(update.dtype),
+          update,
         )
+        new[i] = out if axis is None else jnp.moveaxis(out, 0, axis)
     return jax.tree.unflatten(treedef, new), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

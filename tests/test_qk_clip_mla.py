@@ -291,3 +291,78 @@ def test_missing_max_logits_is_an_error_not_a_silent_skip():
   clip = om.qk_clip(attention=MLA)
   with pytest.raises(ValueError, match="no entry for attention layers"):
     clip.update(params, clip.init(params), params, max_logits={})
+
+
+# -- scanned kernels whose layer axis is not leading (MaxText param_scan_axis=1)
+
+
+def _scanned_maxtext(layers=3, rank=2, heads=2, nope=4, rope=2, v=4, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 2)
+  wq_b = jax.random.normal(keys[0], (rank, layers, heads, nope + rope))
+  wkv_b = jax.random.normal(keys[1], (rank, layers, heads, nope + v))
+  logits = jnp.array([[20.0, 5.0], [1.0, 30.0], [50.0, 50.0]])[:layers]
+  dims = dict(
+    num_heads=heads, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v
+  )
+  return wq_b, wkv_b, logits, dims
+
+
+def test_mla_clip_with_the_layer_axis_second_equals_the_leading_axis_result():
+  wq_b, wkv_b, logits, dims = _scanned_maxtext()
+  got = om.clip_mla_qk(
+    wq_b, wkv_b, logits, threshold=10.0, layer_axis=1, **dims
+  )
+  # by hand: layers to the front, the leading-axis clip, back
+  front = [jnp.moveaxis(w, 1, 0) for w in (wq_b, wkv_b)]
+  want = om.clip_mla_qk(*front, logits, threshold=10.0, **dims)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, jnp.moveaxis(w, 0, 1))
+  # and per layer it is MaxText's own rule on that layer's kernels
+  for layer in range(3):
+    q, kv = _maxtext_clip(
+      wq_b[:, layer], wkv_b[:, layer], logits[layer][None], 10.0, 4
+    )
+    np.testing.assert_allclose(got[0][:, layer], q, rtol=1e-6)
+    np.testing.assert_allclose(got[1][:, layer], kv, rtol=1e-6)
+
+
+def test_the_transform_takes_a_layer_axis_per_attention_layer():
+  wq_b, wkv_b, logits, dims = _scanned_maxtext()
+  params = {"wq_b": wq_b, "wkv_b": wkv_b}
+  spec = {"q": "wq_b", "kv": "wkv_b", "layer_axis": 1, **dims}
+  tx = optax.chain(optax.sgd(1.0), om.qk_clip(10.0, attention={"l": spec}))
+  grads = jax.tree.map(lambda p: 0.01 * gaussian(p.shape, 3), params)
+  updates, _ = tx.update(
+    grads, tx.init(params), params, max_logits={"l": logits}
+  )
+  new = optax.apply_updates(params, updates)
+  stepped = jax.tree.map(lambda p, g: p - g, params, grads)
+  want = om.clip_mla_qk(
+    stepped["wq_b"],
+    stepped["wkv_b"],
+    logits,
+    threshold=10.0,
+    layer_axis=1,
+    **dims,
+  )
+  np.testing.assert_allclose(new["wq_b"], want[0], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(new["wkv_b"], want[1], rtol=1e-6, atol=1e-7)
+
+
+def test_scanned_clip_errors_name_the_expected_shapes():
+  wq_b, wkv_b, logits, dims = _scanned_maxtext()
+  # without layer_axis the layers axis is read as heads: a clear error
+  with pytest.raises(ValueError, match="max_logits|width"):
+    om.clip_mla_qk(wq_b, wkv_b, logits, **dims)
+  with pytest.raises(ValueError, match=r"max_logits must be \(3, num_heads\)"):
+    om.clip_mla_qk(wq_b, wkv_b, logits[:2], layer_axis=1, **dims)
+  with pytest.raises(ValueError, match="layer_axis=3"):
+    om.clip_mla_qk(wq_b, wkv_b, logits, layer_axis=3, **dims)
+  # head sizes that do not match the kernel: at init, naming the fields
+  params = {"wq_b": wq_b, "wkv_b": wkv_b}
+  bad = dict(dims, qk_rope_head_dim=3)
+  tx = om.qk_clip(
+    attention={"l": {"q": "wq_b", "kv": "wkv_b", "layer_axis": 1, **bad}}
+  )
+  with pytest.raises(ValueError, match="qk_rope_head_dim"):
+    tx.init(params)
