@@ -274,8 +274,6 @@ class Analysis:
               "a batch dim of another parameter's matmul",
             )
       return None
-    if name == "reshape" and prods[0] is not None and not any(values[1:]):
-      return [_reshape_product(prods[0], eqn)]
     if name in VIEW_OPS and prods[0] is not None and not any(values[1:]):
       return [VIEW_OPS[name](prods[0], eqn)]
     rank = len(eqn.outvars[0].aval.shape) if eqn.outvars else -1
@@ -572,44 +570,29 @@ def _reshape_groups(old, new):
   return groups
 
 
-def _reshape(view, eqn):
+def _reshape(value, eqn):
   """Whole axes merged or split: each output axis covers the input axes of
-  its group."""
+  its group. Of a ``Product``, an axis split into several (of more than one
+  element each) becomes pieces (``_part``) in each, and pieces merged back
+  make the whole axis again."""
   old, new = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
   groups = _reshape_groups(old, new)
   if groups is None:
     return None
   axes = []
   for group_old, group_new in groups:
-    axes += [union(*[view.axes[a] for a in group_old])] * len(group_new)
-  return (
-    dataclasses.replace(view, axes=tuple(axes))
-    if len(axes) == len(new)
-    else None
-  )
-
-
-def _reshape_product(product: Product, eqn):
-  """``_reshape`` of a product: an axis split into several (of more than one
-  element each) becomes pieces (``_part``) in each; pieces merged back make
-  the whole axis again."""
-  old, new = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
-  groups = _reshape_groups(old, new)
-  if groups is None:
-    return None
-  axes = []
-  for group_old, group_new in groups:
-    covered = union(*[product.axes[a] for a in group_old])
-    real_new = [b for b in group_new if new[b] > 1]
-    real_old = [a for a in group_old if old[a] > 1]
-    if len(real_old) == 1 and len(real_new) > 1:  # one axis split
-      covered = frozenset(_part(p) for p in covered)
-    elif len(real_old) > 1 and len(real_new) == 1:  # axes merged
-      covered = frozenset(_whole(p) for p in covered)
+    covered = union(*[value.axes[a] for a in group_old])
+    if isinstance(value, Product):
+      split_from = [a for a in group_old if old[a] > 1]
+      split_into = [b for b in group_new if new[b] > 1]
+      if len(split_from) == 1 and len(split_into) > 1:
+        covered = frozenset(_part(p) for p in covered)
+      elif len(split_from) > 1 and len(split_into) == 1:
+        covered = frozenset(_whole(p) for p in covered)
     axes += [covered] * len(group_new)
   if len(axes) != len(new):
     return None
-  return dataclasses.replace(product, axes=tuple(axes))
+  return dataclasses.replace(value, axes=tuple(axes))
 
 
 def _squeeze(view, eqn):
