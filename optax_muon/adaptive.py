@@ -340,6 +340,7 @@ def adaptive_muon(
     NVIDIA emerging-optimizers 0.3.0, ``AdaptiveMuon``;
     Megatron-Core ``optimizer="adaptive_muon"``
   """
+  _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
   labels, dimension_numbers = alias.from_layout(
     layout, labels, dimension_numbers
   )

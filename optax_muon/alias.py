@@ -324,6 +324,9 @@ def muon(
   References:
     Jordan et al., `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024
   """
+  # AdamW's beta1, checked under this function's name (it also sets the
+  # RMS-matching factor, where scale_by_muon calls it adamw_beta1)
+  _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
   labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
   direction = scale_by_muon(
     beta=beta,

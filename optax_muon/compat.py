@@ -421,6 +421,14 @@ def muon(
         f"{sorted(NS_COEFFS_PRESETS)} or (a, b, c) tuples"
       )
     ns_coeffs = NS_COEFFS_PRESETS[ns_coeffs]
+  for name, value in (
+    ("learning_rate", learning_rate),
+    ("adam_learning_rate", adam_learning_rate),
+    ("weight_decay", weight_decay),
+    ("adam_weight_decay", adam_weight_decay),
+  ):
+    if value is not None and not callable(value):
+      _checks.check_range(name, value, 0.0, np.inf)  # NaN and < 0 raise
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
   labels, muon_dims = _labels_and_dims(muon_weight_dimension_numbers)

@@ -101,7 +101,14 @@ def _selected_outputs(out_shape, output) -> list[int]:
     return jax.tree.leaves(first)
   if callable(output):
     return jax.tree.leaves(output(numbered))
-  return jax.tree.leaves(numbered[output])
+  try:
+    return jax.tree.leaves(numbered[output])
+  except (KeyError, IndexError, TypeError):
+    raise ValueError(
+      f"output={output!r} names none of fn's outputs, which are "
+      f"{jax.tree.map(lambda _: '·', numbered)!r}; accepted: None (the first "
+      "output), an index or key of them, or a function of the outputs"
+    ) from None
 
 
 def _decide(
@@ -336,6 +343,7 @@ def infer_layout(
   Raises:
     ValueError: a module without inputs, or ``wrt`` without a module.
   """
+  _check_call(fn, params, output)
   if _is_nnx_module(fn):
     from flax import nnx  # pylint: disable=import-outside-toplevel
 
@@ -365,6 +373,31 @@ def infer_layout(
       "pass the trained params as params"
     )
   return _infer(fn, params, args, kwargs, output)
+
+
+def _check_call(fn, params, output) -> None:
+  """Clear errors for the usual slips, before anything is traced."""
+  if isinstance(fn, type):
+    raise ValueError(
+      f"infer_layout got the class {fn.__name__}, not a model; pass an "
+      f"instance (om.infer_layout({fn.__name__}(...), batch)) or a function "
+      "fn(params, *args)"
+    )
+  if not callable(fn):
+    swapped = " (the function comes first)" if callable(params) else ""
+    raise ValueError(
+      f"infer_layout's first argument must be fn(params, *args) or an "
+      f"nnx.Module, got a {type(fn).__name__}{swapped}: "
+      "om.infer_layout(fn, params, *args)"
+    )
+  if isinstance(output, bool) or not (
+    output is None or callable(output) or isinstance(output, (int, str))
+  ):
+    raise ValueError(
+      f"output={output!r} is not accepted; accepted: None (the first "
+      "output), an index or key of fn's outputs, or a function of the "
+      "outputs returning the ones that are the model's output"
+    )
 
 
 def _is_nnx_module(value) -> bool:

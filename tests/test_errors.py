@@ -163,6 +163,41 @@ CASES = {
     ValueError,
     ["muon_patterns", "bias"],
   ),
+  # the first ten minutes (issue 32): silent or foreign before
+  "adam_b1 of one with RMS matching names adam_b1, the argument passed": (
+    lambda: om.muon(0.01, adam_b1=1.0, match_adamw_update_rms=True),
+    ValueError,
+    ["adam_b1", "[0.0, 1.0)"],
+  ),
+  "compat.muon with a negative learning rate": (
+    lambda: om.compat.muon(-0.1),
+    ValueError,
+    ["learning_rate", "[0.0, inf)"],
+  ),
+  "compat.muon with a NaN weight decay": (
+    lambda: om.compat.muon(0.1, weight_decay=float("nan")),
+    ValueError,
+    ["weight_decay", "nan"],
+  ),
+  "infer_layout with an output no output has": (
+    lambda: om.infer_layout(
+      lambda p, x: x @ p, jnp.zeros((4, 4)), jnp.ones((2, 4)), output="none"
+    ),
+    ValueError,
+    ["output='none'", "accepted"],
+  ),
+  "infer_layout with a class, not a model": (
+    lambda: om.infer_layout(om.TensorParallel, jnp.ones((2, 4))),
+    ValueError,
+    ["class TensorParallel", "instance"],
+  ),
+  "infer_layout with params and the function swapped": (
+    lambda: om.infer_layout(
+      jnp.zeros((4, 4)), lambda p, x: x @ p, jnp.ones((2, 4))
+    ),
+    ValueError,
+    ["first argument", "the function comes first"],
+  ),
 }
 
 
