@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from optax_muon import _checks
+from optax_muon import _paths
 from optax_muon import alias
 
 
@@ -62,7 +63,16 @@ def hyperball(
   _checks.check_range("weight_decay", weight_decay, 0.0, np.inf)
 
   def init_fn(params):
-    del params
+    if radius is None:  # each weight keeps its norm: a zero one never moves
+      for path, p in _paths.leaves_with_paths(params)[0]:
+        if not _checks.is_traced(p) and isinstance(p, (jax.Array, np.ndarray)):
+          if not float(np.max(np.abs(np.asarray(p, np.float32)), initial=0)):
+            raise ValueError(
+              f"leaf {_paths.path_string(path) or '<root>'} is all zeros, so "
+              "with radius=None (each weight keeps its own norm) its norm 0 "
+              "keeps it at zero for ever; initialize it nonzero or pass "
+              "radius= (the norm every weight keeps)"
+            )
     return HyperballState(jnp.zeros([], jnp.int32))
 
   def update_fn(updates, state, params=None):

@@ -64,7 +64,8 @@ def default_labels(
 ) -> Any:
   """Labels each leaf ``"muon"``, ``"adam"`` or ``"none"`` by path, shape, dtype.
 
-  A leaf that is not floating point is ``"none"``. Otherwise it is ``"muon"``
+  A leaf that is not floating point, or has no elements, is ``"none"`` (a
+  zero-size leaf has nothing to update). Otherwise it is ``"muon"``
   when its path matches a ``muon_patterns`` regex, else ``"adam"`` when it is
   a vector (fewer than 2 axes, or a last-two-axes shape with a 1) or its path
   matches a built-in or an ``adam_patterns`` regex, else ``"muon"``. Patterns
@@ -112,7 +113,7 @@ def default_labels(
   labels = []
   for path, leaf in leaves:
     shape = jnp.shape(leaf)
-    if not is_float(leaf):
+    if not is_float(leaf) or 0 in shape:
       labels.append(NONE)
     elif _paths.matches(muon_patterns, path):
       if len(shape) < 2:

@@ -274,6 +274,13 @@ def orthogonalize(
 
   def check_dtypes(views):
     for path, leaf, _ in views:
+      if 0 in jnp.shape(leaf):
+        raise ValueError(
+          f"leaf {_paths.path_string(path) or '<root>'} of shape "
+          f"{tuple(jnp.shape(leaf))} has no elements, so Muon has no matrix "
+          "to orthogonalize; label it 'none' (the default labels do) or "
+          "leave it out of the params"
+        )
       ns.check_precision_for(
         jnp.result_type(leaf),
         precision,

@@ -198,6 +198,16 @@ CASES = {
     ValueError,
     ["first argument", "the function comes first"],
   ),
+  "a zero-size leaf routed to Muon by hand": (
+    lambda: om.muon(0.1, labels={"w": "muon"}).init({"w": jnp.zeros((0, 8))}),
+    ValueError,
+    ["leaf w", "(0, 8)", "no elements", "'none'"],
+  ),
+  "muon_hyperball on an all-zero matrix without a radius": (
+    lambda: om.muon_hyperball(0.1).init({"w": jnp.zeros((8, 12))}),
+    ValueError,
+    ["leaf w", "all zeros", "radius="],
+  ),
 }
 
 
@@ -212,3 +222,22 @@ def test_bad_input_raises_naming_the_argument(case):
 
 def test_there_are_at_least_fifteen_distinct_cases():
   assert len(CASES) >= 15
+
+
+def test_a_zero_size_leaf_goes_to_no_optimizer_by_default():
+  params = {"w": jnp.ones((8, 12)), "empty": jnp.zeros((0, 8))}
+  assert om.default_labels(params) == {"empty": "none", "w": "muon"}
+  tx = om.muon(0.1)
+  updates, _ = tx.update(params, tx.init(params), params)
+  assert updates["empty"].shape == (0, 8)
+  assert "empty  0×8    —       none" in om.describe(params)
+
+
+def test_muon_hyperball_with_a_radius_moves_a_zero_matrix():
+  params = {"w": jnp.zeros((8, 12))}
+  tx = om.muon_hyperball(0.1, radius=2.0)
+  grads = {"w": jnp.ones((8, 12)).at[0, 0].set(3.0)}
+  updates, _ = tx.update(grads, tx.init(params), params)
+  assert float(jnp.linalg.norm(params["w"] + updates["w"])) == pytest.approx(
+    2.0, rel=1e-5
+  )
