@@ -67,7 +67,8 @@ def group_scales(
   Returns:
     ``(q_scale, k_scale, clipped, eta)`` of shapes ``(..., num_heads)``,
     ``(..., num_kv_heads)``, ``(..., num_kv_heads)``, ``(..., num_kv_heads)``;
-    factors (and ``η``) are 1 where a group is not clipped.
+    factors (and ``η``) are 1 where a group is not clipped, which is also
+    where its max logit is not finite (``inf`` or ``nan``).
   """
   max_logits = jnp.asarray(max_logits, jnp.float32)
   if max_logits.shape[-1:] != (num_heads,):
@@ -79,7 +80,10 @@ def group_scales(
   group_max = max_logits.reshape(
     max_logits.shape[:-1] + (num_kv_heads, per_group)
   ).max(axis=-1)
-  clipped = group_max > threshold
+  # a non-finite max logit (an overflowed step) says nothing about the
+  # scale to restore: that group is left unchanged, never zeroed (τ/∞ = 0);
+  # pair the clip with optax.apply_if_finite to skip such a step
+  clipped = jnp.isfinite(group_max) & (group_max > threshold)
   eta = jnp.where(clipped, threshold / jnp.where(clipped, group_max, 1.0), 1.0)
   k_scale = jnp.where(clipped, eta ** (1.0 - alpha), 1.0)
   q_scale = jnp.repeat(jnp.where(clipped, eta**alpha, 1.0), per_group, axis=-1)

@@ -366,3 +366,19 @@ def test_scanned_clip_errors_name_the_expected_shapes():
   )
   with pytest.raises(ValueError, match="qk_rope_head_dim"):
     tx.init(params)
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
+def test_a_non_finite_max_logit_leaves_its_group_unchanged(bad):
+  q = gaussian((16, 4 * 8), 1)
+  k = gaussian((16, 2 * 8), 2)
+  # group 0 (heads 0, 1) has a non-finite logit; group 1 is clipped
+  logits = jnp.array([bad, 5.0, 300.0, 1.0])
+  new_q, new_k = om.clip_qk(
+    q, k, logits, threshold=100.0, num_heads=4, num_kv_heads=2, head_dim=8
+  )
+  np.testing.assert_array_equal(new_q[:, :16], q[:, :16])  # not zeroed
+  np.testing.assert_array_equal(new_k[:, :8], k[:, :8])
+  eta = 100.0 / 300.0
+  np.testing.assert_allclose(new_q[:, 16:], q[:, 16:] * eta**0.5, rtol=1e-6)
+  np.testing.assert_allclose(new_k[:, 8:], k[:, 8:] * eta**0.5, rtol=1e-6)
