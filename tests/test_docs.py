@@ -198,3 +198,21 @@ def test_the_comparison_tables_are_the_recorded_ones(
         f"{ratios['step_ratio']:.0%} ({ratios['flop_ratio']:.0%} of the FLOPs)"
       ), name
   assert seen == set(rows.values())
+
+
+def test_the_readme_use_comment_is_what_infer_layout_reads():
+  # the Use block's last comment says where each leaf goes; the layout the
+  # block builds must say the same
+  block = _blocks(ROOT / "README.md")[0]
+  scope: dict = {}
+  exec(compile(block, "README.md[0]", "exec"), scope)
+  comment = block.strip().splitlines()[-1].split("#", 1)[1]
+  assert comment.strip() == "hidden kernel: Muon; head kernel, biases: AdamW"
+  labels, roles = scope["layout"].labels, scope["layout"].roles
+  layers = scope["model"].layers
+  first, last = (i for i, l in enumerate(layers) if hasattr(l, "kernel"))
+  assert labels["layers"][first]["kernel"] == "muon"
+  assert roles["layers"][last]["kernel"] == "head"
+  assert labels["layers"][last]["kernel"] == "adam"
+  for index in (first, last):
+    assert labels["layers"][index]["bias"] == "adam"
