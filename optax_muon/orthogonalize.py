@@ -7,7 +7,6 @@ per stack, then put back.
 """
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -154,30 +153,6 @@ def _distributed_newton_schulz(
   return out
 
 
-def _leaf_task(leaf, view: layout.MatrixView, finish) -> waves.Task:
-  """A whole (unsharded) leaf as one task of the waves."""
-
-  def prepare(inputs):
-    part_view = dataclasses.replace(view, shape=tuple(inputs[0].shape))
-    return part_view.to_matrices(inputs[0]), part_view
-
-  batch = [a for a in view.batch_axes if view.shape[a] > 1]
-  return waves.Task(
-    [leaf],
-    prepare,
-    lambda ms, v: [v.from_matrices(ms)],
-    finish,
-    "local",
-    sum(
-      waves.newton_schulz_bytes(
-        m, n, math.prod(view.batch_shape), jnp.dtype(leaf.dtype).itemsize
-      )
-      for m, n in view.matrix_shapes
-    ),
-    max(batch, key=view.shape.__getitem__) if batch else None,
-  )
-
-
 def orthogonalize(
   *,
   coefficients="quintic",
@@ -314,7 +289,12 @@ def orthogonalize(
       return jax.tree.unflatten(jax.tree.structure(updates), leaves), state
     new_leaves: list[Any] = [None] * len(views)
     tasks = [
-      _leaf_task(leaf, view, lambda out, i=i: new_leaves.__setitem__(i, out[0]))
+      waves.view_task(
+        leaf,
+        lambda shape, v=view: dataclasses.replace(v, shape=shape),
+        lambda out, i=i: new_leaves.__setitem__(i, out),
+        "local",
+      )
       for i, (_, leaf, view) in enumerate(views)
     ]
     waves.run(

@@ -235,6 +235,16 @@ class _WideMember:
   def key(self):
     return (self.rows, self.cols, self.x.dtype, self.wide_tp_dim)
 
+  def whole_bytes(self, ranks: int, count: int = 1) -> int:
+    """``newton_schulz_bytes`` of ``count`` whole matrices: the sharded
+    side ``ranks`` times the local one."""
+    rows, cols = self.rows, self.cols
+    if self.wide_tp_dim == 1:
+      rows *= ranks
+    else:
+      cols *= ranks
+    return waves.newton_schulz_bytes(rows, cols, count, self.x.dtype.itemsize)
+
   def wide_items(self, part: jax.Array) -> jax.Array:
     """``part`` as ``(items, rows, cols)``."""
     return jnp.transpose(part, self.order).reshape(-1, self.rows, self.cols)
@@ -310,20 +320,6 @@ def _allgather_unit(member: _WideMember, ranks: int) -> int:
   return ranks // math.gcd(ranks, per_slice)
 
 
-def _split_axis(view: layout.MatrixView, shape) -> int | None:
-  """The batch axis a task may be split along: the longest one."""
-  axes = [a for a in view.batch_axes if shape[a] > 1]
-  return max(axes, key=lambda a: shape[a]) if axes else None
-
-
-def _view_bytes(view: layout.MatrixView, itemsize: int) -> int:
-  count = math.prod(view.batch_shape)
-  return sum(
-    waves.newton_schulz_bytes(m, n, count, itemsize)
-    for m, n in view.matrix_shapes
-  )
-
-
 def orthogonalize_sharded(
   leaves,
   views,
@@ -367,20 +363,8 @@ def orthogonalize_sharded(
 
   def local_task(x, view, finish, replicated) -> waves.Task:
     """Each (local) matrix orthogonalized as it is."""
-    local = local_view(view, x.shape)
-
-    def prepare(inputs):
-      part_view = local_view(view, inputs[0].shape)
-      return part_view.to_matrices(inputs[0]), part_view
-
-    return waves.Task(
-      [x],
-      prepare,
-      lambda ms, v: [v.from_matrices(ms)],
-      only(finish),
-      local_solver(replicated),
-      _view_bytes(local, x.dtype.itemsize),
-      _split_axis(view, x.shape),
+    return waves.view_task(
+      x, lambda shape: local_view(view, shape), finish, local_solver(replicated)
     )
 
   def duplicated_task(x, view, tp_dim, finish, replicated) -> waves.Task:
@@ -399,8 +383,8 @@ def orthogonalize_sharded(
       lambda ms, v: [_own_chunk(v.from_matrices(ms), tp.axis, tp_dim)],
       only(finish),
       local_solver(replicated),
-      _view_bytes(local_view(view, full_shape), x.dtype.itemsize),
-      _split_axis(view, x.shape),
+      waves.view_bytes(local_view(view, full_shape), x.dtype.itemsize),
+      waves.split_axis(view, x.shape),
     )
 
   def distributed_task(x, view, tp_dim, finish) -> waves.Task:
@@ -427,7 +411,7 @@ def orthogonalize_sharded(
       waves.newton_schulz_bytes(
         local.fan_in, local.fan_out, count, x.dtype.itemsize, unsharded
       ),
-      _split_axis(view, x.shape),
+      waves.split_axis(view, x.shape),
     )
 
   def allgather_task(members: list[_WideMember], split: bool) -> waves.Task:
@@ -435,8 +419,6 @@ def orthogonalize_sharded(
     all-to-all so that each rank holds whole matrices, and sent back.
     ``split``: one member, whose task may be split along its batch axis."""
     first = members[0]
-    full = [first.rows, first.cols]
-    full[first.wide_tp_dim - 1] *= tp.size
     items = sum(m.items for m in members)
     per_rank = -(-items // tp.size)
     itemsize = first.x.dtype.itemsize
@@ -472,7 +454,7 @@ def orthogonalize_sharded(
       restore,
       finish,
       local_solver(all(m.replicated for m in members)),
-      waves.newton_schulz_bytes(full[0], full[1], per_rank, itemsize)
+      first.whole_bytes(tp.size, per_rank)
       + 2 * itemsize * first.rows * first.cols * per_rank * tp.size,
       first.axis if split else None,
       _allgather_unit(first, tp.size) if split else 1,
@@ -485,12 +467,7 @@ def orthogonalize_sharded(
     whole = allgather_task(members, split=False)
     if whole.bytes <= budget:
       return [whole]
-    first = members[0]
-    full = [first.rows, first.cols]
-    full[first.wide_tp_dim - 1] *= tp.size
-    per_matrix = waves.newton_schulz_bytes(
-      full[0], full[1], 1, first.x.dtype.itemsize
-    )
+    per_matrix = members[0].whole_bytes(tp.size)
     quota = max(1, budget // per_matrix) * tp.size  # matrices per part
     tasks: list[waves.Task] = []
     pool: list[_WideMember] = []
@@ -549,7 +526,7 @@ def orthogonalize_sharded(
         tasks.append(distributed_task(x, view, tp_dim, finish))
       else:
         member = _WideMember(
-          x, view, tp_dim, finish, replicated, _split_axis(view, x.shape)
+          x, view, tp_dim, finish, replicated, waves.split_axis(view, x.shape)
         )
         allgather_groups.setdefault(member.key, []).append(member)
 

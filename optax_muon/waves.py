@@ -21,12 +21,15 @@ and the tasks run in **waves** of at most ``memory_budget`` bytes:
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from optax_muon import layout
 
 # Measured (benchmarks/at_scale.py, docs/scaling.md): at 2 GiB a
 # Llama-3-70B update with scanned layers at TP 8 fits a v5p chip in every
@@ -97,6 +100,42 @@ class Task:
   @property
   def count(self) -> int:
     return 1 if self.axis is None else self.inputs[0].shape[self.axis]
+
+
+def view_bytes(view: layout.MatrixView, itemsize: int) -> int:
+  """``newton_schulz_bytes`` of every matrix of ``view``."""
+  count = math.prod(view.batch_shape)
+  return sum(
+    newton_schulz_bytes(m, n, count, itemsize) for m, n in view.matrix_shapes
+  )
+
+
+def split_axis(view: layout.MatrixView, shape) -> int | None:
+  """The batch axis a task over a leaf of ``shape`` may be split along: the
+  longest one (``None``: no batch axis longer than one)."""
+  axes = [a for a in view.batch_axes if shape[a] > 1]
+  return max(axes, key=lambda a: shape[a]) if axes else None
+
+
+def view_task(x, view_of, finish, solver) -> Task:
+  """``x`` orthogonalized as the matrices of ``view_of(shape)``, for the
+  shape of ``x`` or of any part of it along its split axis; ``finish``
+  receives the result."""
+  view = view_of(tuple(x.shape))
+
+  def prepare(inputs):
+    part_view = view_of(tuple(inputs[0].shape))
+    return part_view.to_matrices(inputs[0]), part_view
+
+  return Task(
+    [x],
+    prepare,
+    lambda ms, v: [v.from_matrices(ms)],
+    lambda outputs: finish(outputs[0]),
+    solver,
+    view_bytes(view, jnp.dtype(x.dtype).itemsize),
+    split_axis(view, x.shape),
+  )
 
 
 def _part_size(count: int, fit: int, unit: int) -> int:
