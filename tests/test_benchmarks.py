@@ -57,6 +57,20 @@ def _env():
   return dict(os.environ, XLA_FLAGS="", PYTHON=sys.executable)
 
 
+def _run(script: str, *args: str) -> str:
+  """``benchmarks/<script>`` with ``args``; its stdout, once it exited 0."""
+  result = subprocess.run(
+    [sys.executable, str(ROOT / "benchmarks" / script), *args],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+    env=_env(),
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  return result.stdout
+
+
 @pytest.mark.slow  # two minutes; the next test runs the compat row alone
 def test_gpu_script_runs_every_benchmark_on_cpu_in_quick_mode(tmp_path):
   result = subprocess.run(
@@ -79,60 +93,23 @@ def test_gpu_script_runs_every_benchmark_on_cpu_in_quick_mode(tmp_path):
 
 
 def test_update_benchmark_times_compat_at_optax_numbers():
-  result = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "benchmarks" / "update_vs_optax.py"),
-      "--quick",
-      "--trees",
-      "layers512",
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    timeout=600,
-    env=_env(),
-  )
-  assert result.returncode == 0, result.stderr[-2000:]
-  (record,) = _check("update_vs_optax", result.stdout.splitlines())
+  stdout = _run("update_vs_optax.py", "--quick", "--trees", "layers512")
+  (record,) = _check("update_vs_optax", stdout.splitlines())
   assert record["tree"] == "layers512"
   assert record["compat_max_abs_diff"] < 1e-5  # called as optax: its numbers
   assert record["compat_over_optax"] > 0
 
 
 def test_sharding_benchmark_prints_bytes_per_mode():
-  result = subprocess.run(
-    [sys.executable, str(ROOT / "benchmarks" / "sharding.py"), "--quick"],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    timeout=600,
-    env=_env(),
-  )
-  assert result.returncode == 0, result.stderr[-2000:]
-  records = _check("sharding", result.stdout.splitlines())
+  stdout = _run("sharding.py", "--quick")
+  records = _check("sharding", stdout.splitlines())
   for record in records:
     assert record["total_bytes"]["blockwise"] == 0
 
 
 def test_sharding_plan_measures_what_each_mode_should_move():
-  result = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "benchmarks" / "sharding.py"),
-      "--plan",
-      "--quick",
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    timeout=600,
-    env=_env(),
-  )
-  assert result.returncode == 0, result.stderr[-2000:]
-  rows = [
-    json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")
-  ]
+  stdout = _run("sharding.py", "--plan", "--quick")
+  rows = [json.loads(l) for l in stdout.splitlines() if l.startswith("{")]
   assert {r["tp"] for r in rows} == {4, 8}
   for row in rows:
     measured, expected = row["bytes"], row["expected_bytes"]
@@ -144,7 +121,7 @@ def test_sharding_plan_measures_what_each_mode_should_move():
         row,
       )
     assert measured["optax.contrib.muon"] > measured["duplicated"]
-  assert "| tiny | 4 |" in result.stdout
+  assert "| tiny | 4 |" in stdout
 
 
 def test_scaling_doc_table_is_the_plan_commands(monkeypatch):
@@ -174,27 +151,16 @@ def test_scaling_doc_table_is_the_plan_commands(monkeypatch):
 def test_at_scale_compiles_every_mode_on_abstract_shapes():
   # --quick: a tiny Llama of 8 stacked layers on 8 CPU devices; a 1-byte
   # budget splits every stack (the suite needs no libtpu)
-  result = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "benchmarks" / "at_scale.py"),
-      "--quick",
-      "--stacked",
-      "--layers",
-      "8",
-      "--memory-budget",
-      "1",
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    timeout=600,
-    env=_env(),
+  stdout = _run(
+    "at_scale.py",
+    "--quick",
+    "--stacked",
+    "--layers",
+    "8",
+    "--memory-budget",
+    "1",
   )
-  assert result.returncode == 0, result.stderr[-2000:]
-  records = {
-    r["mode"]: r for r in (json.loads(l) for l in result.stdout.splitlines())
-  }
+  records = {r["mode"]: r for r in (json.loads(l) for l in stdout.splitlines())}
   assert set(records) == {
     "blockwise",
     "duplicated",
