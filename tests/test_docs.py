@@ -201,13 +201,16 @@ def test_the_comparison_tables_are_the_recorded_ones(
 
 
 def test_the_readme_use_comment_is_what_infer_layout_reads():
-  # the Use block's last comment says where each leaf goes; the layout the
+  # the comment over the Use block's update says where each leaf goes; the layout the
   # block builds must say the same
   block = _blocks(ROOT / "README.md")[0]
   scope: dict = {}
   exec(compile(block, "README.md[0]", "exec"), scope)
-  comment = block.strip().splitlines()[-1].split("#", 1)[1]
-  assert comment.strip() == "hidden kernel: Muon; head kernel, biases: AdamW"
+  *_, comment, last_line = block.strip().splitlines()
+  assert last_line == "optimizer.update(model, grads)"
+  assert (
+    comment.strip("# ") == "hidden kernel: Muon; head kernel, biases: AdamW"
+  )
   labels, roles = scope["layout"].labels, scope["layout"].roles
   layers = scope["model"].layers
   first, last = (i for i, l in enumerate(layers) if hasattr(l, "kernel"))
