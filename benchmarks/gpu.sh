@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU benchmark run: NS at precision "medium", "fp16" and "high" up to 8192×28672,
+# The GPU benchmark run: NS at precision "medium", "bf16", "fp16" and "high" up to
+# 8192×28672,
 # our update against optax.contrib.muon, state memory, the train step and one
 # update compiled at Llama-3-8B shapes (benchmarks/at_scale.py).
 # Writes JSON lines into the folder named by the first argument.
@@ -16,7 +17,7 @@ else
   shapes=1024x4096,4096x4096,4096x14336,8192x28672; rate=8192
 fi
 "$py" benchmarks/ns_roofline.py $quick --shapes "$shapes" \
-  --precisions medium,fp16,high --rate-size "$rate" > "$out/ns_roofline.jsonl"
+  --precisions medium,bf16,fp16,high --rate-size "$rate" > "$out/ns_roofline.jsonl"
 "$py" benchmarks/update_vs_optax.py $quick > "$out/update_vs_optax.jsonl"
 "$py" benchmarks/memory.py $quick > "$out/memory.jsonl"
 "$py" benchmarks/train_step.py $quick > "$out/train_step.jsonl"

@@ -99,7 +99,7 @@ def scale_by_muon(
     mu_dtype: momentum dtype (``None``: the param's).
     coefficients: Newton–Schulz schedule name or list of ``(a, b, c)``.
     steps: Newton–Schulz steps.
-    precision: ``"highest"``, ``"high"``, ``"medium"`` or ``"fp16"``.
+    precision: ``"highest"``, ``"high"``, ``"medium"``, ``"fp16"`` or ``"bf16"``.
     method: ``"standard"`` or ``"gram"`` (see ``orthogonalize``).
     scale_mode: ``"spectral"``, ``"shape_scaling"`` or ``"unit_rms_norm"``.
     extra_scale_factor: factor after the shape scale, > 0; default 1.0.

@@ -1,4 +1,8 @@
-"""A drop-in for ``optax.contrib.muon``: one changed import, the same numbers.
+"""Drop-ins: ``optax.contrib.muon`` and ``torch.optim.Muon``, the same numbers.
+
+``torch_muon`` takes ``torch.optim.Muon``'s arguments and defaults and gives
+its numbers (see its docstring); the rest of this module is the drop-in for
+``optax.contrib.muon``: one changed import, the same numbers.
 
 Mirrors optax 0.2.8 (``optax/contrib/_muon.py``): the same functions with the
 same signatures and defaults, the same update to fp32 rounding, the same
@@ -39,6 +43,7 @@ from optax_muon import coefficients as coefficients_lib
 from optax_muon import layout
 from optax_muon import scaling
 from optax_muon import sharding as sharding_lib
+from optax_muon._torch import torch_muon
 
 # by name: the package's namespace binds these module names to functions
 from optax_muon.momentum import BiasCorrectedMomentumState
@@ -63,6 +68,7 @@ __all__ = (
   "orthogonalize_via_newton_schulz",
   "scale_by_muon",
   "scale_by_shape",
+  "torch_muon",
 )
 
 _is_dims = lambda x: isinstance(x, MuonDimensionNumbers)

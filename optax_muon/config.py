@@ -72,7 +72,8 @@ class MuonConfig:
     muon_tp_mode: ``"blockwise"``, ``"duplicated"``, ``"distributed"`` or
       ``"allgather"``; ``None`` (unset): ``"blockwise"`` when ``build`` gets a
       mesh. Set, it needs one.
-    muon_fp32_matmul_prec: ``"highest"``, ``"high"``, ``"medium"`` or ``"fp16"``.
+    muon_fp32_matmul_prec: ``"highest"``, ``"high"``, ``"medium"``, ``"fp16"``
+      or ``"bf16"``.
     muon_extra_scale_factor: factor after the shape scale, > 0; ``None``
       (unset): 1.0, or the RMS-matching factor (``extra_scale_factor``).
     muon_scalar_optimizer: ``"adam"`` or ``"lion"`` for the non-matrix leaves.

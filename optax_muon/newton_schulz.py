@@ -7,8 +7,10 @@ import numpy as np
 from optax_muon import _checks
 from optax_muon import coefficients as coefficients_lib
 
-PRECISIONS = ("highest", "high", "medium", "fp16")
-_ROUNDED = {"medium": jnp.bfloat16, "fp16": jnp.float16}
+PRECISIONS = ("highest", "high", "medium", "fp16", "bf16")
+# the dtype each product is rounded to ("medium", "fp16") or the iterate is
+# kept in between steps ("bf16")
+_ROUNDED = {"medium": jnp.bfloat16, "fp16": jnp.float16, "bf16": jnp.bfloat16}
 
 
 def working_dtype(dtype) -> jnp.dtype:
@@ -18,9 +20,15 @@ def working_dtype(dtype) -> jnp.dtype:
   return jnp.dtype(jnp.float32)
 
 
+def iterate_dtype(precision: str, dtype) -> jnp.dtype:
+  """The dtype the iterate ``X`` is kept in between steps: bfloat16 at
+  ``"bf16"``, else ``dtype`` (the working dtype)."""
+  return jnp.dtype(jnp.bfloat16 if precision == "bf16" else dtype)
+
+
 def check_precision_for(dtype, precision: str, where: str = "x") -> None:
-  """Raises ValueError for complex input at ``"medium"`` or ``"fp16"`` (no
-  complex bf16 or fp16)."""
+  """Raises ValueError for complex input at ``"medium"``, ``"fp16"`` or
+  ``"bf16"`` (no complex bf16 or fp16)."""
   if precision in _ROUNDED and jnp.issubdtype(dtype, jnp.complexfloating):
     raise ValueError(
       f"precision={precision!r} rounds every product to "
@@ -43,8 +51,16 @@ def matmul(a: jax.Array, b: jax.Array, precision: str) -> jax.Array:
   accumulation, the product rounded to bf16 (Megatron-Core's default);
   ``"fp16"``: the same in float16 (XLA's ``F16_F16_F32``): 3 more mantissa
   bits than bf16, and no overflow since the iteration's matrices are
-  normalized in fp32 first (entries below ~10).
+  normalized in fp32 first (entries below ~10); ``"bf16"``: bf16 operands
+  and the fp32 accumulation as it is (``iterate`` rounds each step's sums
+  to bf16, as torch's ``addmm`` does).
   """
+  if precision == "bf16":
+    return jnp.matmul(
+      a.astype(jnp.bfloat16),
+      b.astype(jnp.bfloat16),
+      preferred_element_type=jnp.float32,
+    )
   if precision in _ROUNDED:
     low = _ROUNDED[precision]
     product = jnp.matmul(
@@ -67,7 +83,11 @@ def _all_reduce(reduce, x, axis_name):
 
 
 def normalize(
-  x: jax.Array, eps: float, axis_name=None, add_eps: bool = False
+  x: jax.Array,
+  eps: float,
+  axis_name=None,
+  add_eps: bool = False,
+  precision: str = "highest",
 ) -> jax.Array:
   """``x / max(‖x‖_F, eps)`` per matrix, safe over the whole fp32 range.
 
@@ -76,8 +96,11 @@ def normalize(
   matrix stays exactly zero. ``add_eps`` gives ``x / (‖x‖_F + eps)`` instead,
   computed as ``optax.contrib.muon`` does (no pre-scaling). Inside
   ``shard_map``, ``axis_name`` names the mesh axis the columns of ``x`` are
-  split over.
+  split over. At ``precision="bf16"`` the result is bf16, see
+  ``_normalize_in_bf16``.
   """
+  if precision == "bf16" and not add_eps:
+    return _normalize_in_bf16(x, eps, axis_name)
   if add_eps:
     if axis_name is None:  # jnp's norm, for optax's bits
       norm = jnp.linalg.norm(x, axis=(-2, -1), keepdims=True)
@@ -101,6 +124,29 @@ def normalize(
     )
   )
   return x / jnp.maximum(norm, eps)
+
+
+def _normalize_in_bf16(x: jax.Array, eps: float, axis_name=None) -> jax.Array:
+  """torch's ``X = bf16(G); X / max(bf16(‖X‖_F), eps)``, each step rounded to
+  bf16, on ``x`` pre-scaled by a power of two near ``1 / max|x|``: exact, so
+  the bits are torch's for any ``x`` whose norm is above torch's ``eps`` and
+  the result is scale-invariant over the whole fp32 range. (The norm's bf16
+  rounding moves it by up to 0.4%, which the Newton–Schulz polynomial does
+  not undo: without it the result is 1.7% from torch's, with it 0.15%.)"""
+  peak = _all_reduce(
+    jax.lax.pmax, jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True), axis_name
+  )
+  _, exponent = jnp.frexp(peak)
+  x = jnp.ldexp(x, -exponent).astype(jnp.bfloat16).astype(jnp.float32)
+  norm = jnp.sqrt(
+    _all_reduce(
+      jax.lax.psum,
+      jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True),
+      axis_name,
+    )
+  )
+  norm = norm.astype(jnp.bfloat16).astype(jnp.float32)
+  return (x / jnp.maximum(norm, eps)).astype(jnp.bfloat16)
 
 
 PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
@@ -149,7 +195,7 @@ def precondition(
   (not for ``"spectral"``).
   """
   if preconditioning == "frobenius":
-    return normalize(x, eps, axis_name, add_eps)
+    return normalize(x, eps, axis_name, add_eps, precision)
   if preconditioning == "spectral":
     norm = jnp.linalg.norm(x, ord=2, axis=(-2, -1), keepdims=True)
     return x / ((norm + eps) if add_eps else jnp.maximum(norm, eps)).astype(
@@ -222,21 +268,34 @@ def iterate(
   ``X Xᵀ`` is then the sum of the shards' (one all-reduce a step). Complex
   ``x`` uses ``X Xᴴ``. ``rescale`` (``"aol"`` or ``"schatten"``, floored at
   ``eps``) scales the unnormalized ``x`` within the first step, from its
-  ``X Xᴴ`` (``gram_rescale``).
+  ``X Xᴴ`` (``gram_rescale``). At ``precision="bf16"`` ``A``, ``B`` and
+  ``X`` are kept in bfloat16 (each rounded once, after its sum), as torch's
+  Muon and Keller Jordan's reference iterate; the result is then bf16.
   """
   rows = jnp.asarray(table, jnp.float32)
   cubic = _is_cubic(table)
+  kept = iterate_dtype(precision, x.dtype)
+  keep = lambda y: y.astype(kept)
+  # c A A: torch scales the product (addmm's alpha), which rounds once
+  quartic = (
+    (lambda c, A: c * matmul(A, A, precision))
+    if precision == "bf16"
+    else (lambda c, A: matmul(c * A, A, precision))
+  )
 
   def step(i, X, rescale=None):
     a, b, c = rows[coefficients_lib.schedule_index(i, len(table), mode, jnp)]
-    A = _all_reduce(
-      jax.lax.psum, matmul(X, conj_transpose(X), precision), axis_name
+    A = keep(
+      _all_reduce(
+        jax.lax.psum, matmul(X, conj_transpose(X), precision), axis_name
+      )
     )
     if rescale is not None:
       X, A = gram_rescale(X, A, rescale, eps)
-    B = b * A if cubic else b * A + matmul(c * A, A, precision)
-    return a * X + matmul(B, X, precision)
+    B = keep(b * A if cubic else b * A + quartic(c, A))
+    return keep(a * X + matmul(B, X, precision))
 
+  x = keep(x)
   if rescale is None:
     return jax.lax.fori_loop(0, steps, step, x)
   return jax.lax.fori_loop(1, steps, step, step(0, x, rescale))
@@ -358,9 +417,15 @@ def newton_schulz(
   Args:
     x: array of shape ``(..., m, n)``.
     coefficients: a name in ``COEFFICIENT_SETS`` or a list of ``(a, b, c)``.
+      ``"simple"`` is Keller Jordan's triple ``(3.4445, -4.775, 2.0315)``
+      (``torch.optim.Muon``'s and ``optax.contrib.muon``'s default);
+      ``"quintic"`` (the default) is emerging-optimizers' five-step schedule.
     steps: number of steps (an int ≥ 1; may be traced).
-    precision: ``"highest"``, ``"high"``, ``"medium"`` or ``"fp16"`` (see ``matmul``;
-      not ``"medium"`` for complex ``x``).
+    precision: ``"highest"``, ``"high"``, ``"medium"``, ``"fp16"`` or
+      ``"bf16"`` (see ``matmul``; only the first two for complex ``x``).
+      ``"medium"`` rounds each product to bf16 but keeps the iterate in fp32
+      (Megatron-Core); ``"bf16"`` keeps the iterate itself in bf16 between
+      steps (torch's ``Muon``, Keller Jordan's reference).
     eps: floor of the Frobenius norm, reached only by the zero matrix.
 
   Returns:
@@ -383,7 +448,9 @@ def newton_schulz(
   X = x.astype(working_dtype(x.dtype))
   if tall:
     X = jnp.swapaxes(X, -1, -2)
-  X = iterate(normalize(X, eps), table, mode, steps, precision)
+  X = iterate(
+    normalize(X, eps, precision=precision), table, mode, steps, precision
+  )
   if tall:
     X = jnp.swapaxes(X, -1, -2)
   return X.astype(x.dtype)

@@ -185,8 +185,9 @@ def orthogonalize(
   Args:
     coefficients: a name in ``COEFFICIENT_SETS`` or a list of ``(a, b, c)``.
     steps: Newton–Schulz steps, an int ≥ 1 (may be traced).
-    precision: ``"highest"``, ``"high"``, ``"medium"`` or ``"fp16"``.
-    method: ``"standard"`` or ``"gram"``: Gram Newton–Schulz (iterate on the
+    precision: ``"highest"``, ``"high"``, ``"medium"``, ``"fp16"`` or
+      ``"bf16"`` (see ``newton_schulz``).
+    method: ``"standard"`` or ``"gram"`` (not with ``precision="bf16"``): Gram Newton–Schulz (iterate on the
       m×m Gram matrix, restart once after step 1) for the groups whose aspect
       ratio is at least 2.5, where it saves FLOPs (also with ``steps``
       traced); the standard form elsewhere.
@@ -220,6 +221,14 @@ def orthogonalize(
   _checks.check_choice("preconditioning", preconditioning, ns.PRECONDITIONINGS)
   if not isinstance(add_eps, bool):
     raise TypeError(f"add_eps must be a bool, got {add_eps!r}")
+  if method == "gram" and precision == "bf16":
+    raise ValueError(
+      "precision='bf16' keeps the iterate X in bf16 between steps, but "
+      "method='gram' iterates on the Gram matrix (no X until the end), whose "
+      "rounding bf16 would amplify; accepted: method='standard' with "
+      "precision='bf16', or method='gram' with precision in "
+      "['highest', 'high', 'medium', 'fp16']"
+    )
   sharding_lib.check_sharding(sharding)
   budget = waves.resolve(memory_budget)
   if (
