@@ -32,6 +32,7 @@ from optax_muon.polargrad import scale_by_polargrad
 from optax_muon.qk_clip import clip_mla_qk
 from optax_muon.qk_clip import clip_qk
 from optax_muon.qk_clip import qk_clip
+from optax_muon.quantize import QuantizedMomentum
 from optax_muon.scaling import adamw_rms_match_factor
 from optax_muon.scaling import scale_by_shape
 from optax_muon.scaling import scale_factor
@@ -53,6 +54,7 @@ __all__ = (
   "Layout",
   "MuonConfig",
   "MuonDimensionNumbers",
+  "QuantizedMomentum",
   "SplitGateUp",
   "SplitQKV",
   "TensorParallel",

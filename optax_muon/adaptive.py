@@ -35,6 +35,7 @@ from optax_muon import scaling
 
 # the functions by their own modules: the package's names are the functions
 from optax_muon.momentum import MOMENTUM_STYLES
+from optax_muon.momentum import canonical_dtype
 from optax_muon.momentum import momentum as momentum_transform
 from optax_muon.orthogonalize import orthogonalize as orthogonalize_transform
 
@@ -255,6 +256,7 @@ def scale_by_adaptive_muon(
     split_qkv=split_qkv,
     split_gate_up=split_gate_up,
   )
+  canonical_dtype("mu_dtype", mu_dtype, quantized=True)
   momentum = momentum_transform(
     beta, nesterov=nesterov, style=momentum_style, dtype=mu_dtype
   )

@@ -136,7 +136,7 @@ def scale_by_muon(
     "momentum_style", momentum_style, momentum_lib.MOMENTUM_STYLES
   )
   _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
-  momentum_lib.canonical_dtype("mu_dtype", mu_dtype)
+  momentum_lib.canonical_dtype("mu_dtype", mu_dtype, quantized=True)
   _, dimension_numbers = from_layout(layout, None, dimension_numbers)
   extra = resolve_extra_scale_factor(
     extra_scale_factor, match_adamw_update_rms, adamw_beta1

@@ -81,6 +81,9 @@ class MuonConfig:
     muon_momentum_style: ``"ema"`` or ``"sgd"``.
     muon_memory_budget: bytes per device of orthogonalization work in flight
       (``None``: the default, 2 GiB; see ``om.orthogonalize``).
+    muon_momentum_bits: ``None`` (the momentum in the param's dtype) or 8
+      (int8 with a float32 scale per block: ``om.QuantizedMomentum``).
+    muon_momentum_block_size: entries per block of the 8-bit momentum.
     qk_clip: QK-clip (MuonClip) after each step; ``build`` then needs
       ``attention=`` (see ``optax_muon.qk_clip``) and ``update`` the step's
       ``max_logits=``.
@@ -113,6 +116,8 @@ class MuonConfig:
   muon_match_adamw_update_rms: bool = False
   muon_momentum_style: str = "ema"
   muon_memory_budget: int | None = None
+  muon_momentum_bits: int | None = None
+  muon_momentum_block_size: int = 256
   qk_clip: bool = False
   qk_clip_threshold: float = 100.0
   qk_clip_alpha: float = 0.5
@@ -165,6 +170,14 @@ class MuonConfig:
     )
     _checks.check_int("muon_num_ns_steps", self.muon_num_ns_steps, minimum=1)
     waves.check_memory_budget(self.muon_memory_budget, "muon_memory_budget")
+    if self.muon_momentum_bits not in (None, 8):
+      raise ValueError(
+        f"muon_momentum_bits={self.muon_momentum_bits!r} is not accepted; "
+        "accepted: None (the param's dtype) or 8 (int8 blockwise)"
+      )
+    _checks.check_int(
+      "muon_momentum_block_size", self.muon_momentum_block_size, minimum=1
+    )
     _checks.check_positive("qk_clip_threshold", self.qk_clip_threshold)
     if not 0.0 <= self.qk_clip_alpha <= 1.0:
       raise ValueError(
@@ -389,6 +402,13 @@ class MuonConfig:
         adam_weight_decay=self.weight_decay,
         adam_weight_decay_mask=decay_mask,
         memory_budget=self.muon_memory_budget,
+        mu_dtype=(
+          None
+          if self.muon_momentum_bits is None
+          else momentum.QuantizedMomentum(
+            self.muon_momentum_bits, self.muon_momentum_block_size
+          )
+        ),
       ),
       *clip_logits,
     )

@@ -1,5 +1,7 @@
 """The momentum transform of Muon (EMA or SGD style, optional bias correction)."""
 
+from collections.abc import Callable
+from typing import Any
 from typing import NamedTuple
 
 import jax
@@ -7,6 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from optax_muon import _checks
+from optax_muon import quantize
+from optax_muon.quantize import QuantizedMomentum
 
 MOMENTUM_STYLES = ("ema", "sgd")
 
@@ -17,23 +21,27 @@ class MomentumState(NamedTuple):
   mu: optax.Updates
 
 
-def canonical_dtype(name: str, dtype):
-  """``dtype`` as a ``jnp.dtype`` (or None); ``name`` is the argument's."""
-  if dtype is None:
-    return None
+def canonical_dtype(name: str, dtype, quantized: bool = False):
+  """``dtype`` as a ``jnp.dtype`` (or None, or with ``quantized`` an
+  ``om.QuantizedMomentum`` as it is); ``name`` is the argument's."""
+  if dtype is None or (quantized and isinstance(dtype, QuantizedMomentum)):
+    return dtype
   try:
     dtype = jnp.dtype(dtype)
   except TypeError as error:
     raise ValueError(
-      f"{name}={dtype!r} is not a dtype; accepted: None or a "
-      "floating dtype such as 'float32'"
+      f"{name}={dtype!r} is not a dtype; accepted: None or a floating "
+      f"dtype such as 'float32'{_OR_QUANTIZED[quantized]}"
     ) from error
   if not jnp.issubdtype(dtype, jnp.inexact):
     raise ValueError(
-      f"{name}={dtype!r} is not a floating dtype; accepted: "
-      "None or a floating dtype such as 'float32'"
+      f"{name}={dtype!r} is not a floating dtype; accepted: None or a "
+      f"floating dtype such as 'float32'{_OR_QUANTIZED[quantized]}"
     )
   return dtype
+
+
+_OR_QUANTIZED = {True: " or om.QuantizedMomentum()", False: ""}
 
 
 def _buffer_dtype(param_dtype, dtype):
@@ -85,7 +93,8 @@ def momentum(
     style: ``"ema"`` or ``"sgd"``.
     dtype: dtype of the buffer; ``None`` keeps each param's dtype (use
       ``"float32"`` for bf16 params; a complex param gets the complex dtype
-      of that precision).
+      of that precision); ``om.QuantizedMomentum()`` stores it in 8 bits
+      (int8 and a scale per block), updated in float32.
     bias_correction: correct the EMA's bias towards zero in early steps; the
       state then counts the updates (``BiasCorrectedMomentumState``).
 
@@ -109,17 +118,31 @@ def momentum(
       f"bias_correction=True needs style='ema' (an average), "
       f"got style={style!r}; accepted styles with it: ['ema']"
     )
-  dtype = canonical_dtype("dtype", dtype)
+  dtype = canonical_dtype("dtype", dtype, quantized=True)
   gradient_weight = (lambda: 1.0 - beta) if style == "ema" else (lambda: 1.0)
+  new_buffer: Callable[[Any], Any]
+  if isinstance(dtype, QuantizedMomentum):
+    config = dtype
+    is_stored = lambda x: isinstance(x, quantize.QuantizedArray)
+    new_buffer = lambda p: quantize.init(p, config)
+    load = lambda mu: jax.tree.map(
+      lambda q: quantize.dequantize(q, config), mu, is_leaf=is_stored
+    )
+    store = lambda mu, old: jax.tree.map(
+      lambda m, q: quantize.quantize(m, q, config), mu, old, is_leaf=is_stored
+    )
+  else:
+    # zeros_like keeps each param's sharding
+    new_buffer = lambda p: jnp.zeros_like(
+      p, dtype=_buffer_dtype(jnp.result_type(p), dtype)
+    )
+    load = lambda mu: mu
+    store = lambda mu, old: jax.tree.map(
+      lambda m, o: m.astype(o.dtype), mu, old
+    )
 
   def init_fn(params):
-    # zeros_like keeps each param's sharding
-    mu = jax.tree.map(
-      lambda p: jnp.zeros_like(
-        p, dtype=_buffer_dtype(jnp.result_type(p), dtype)
-      ),
-      params,
-    )
+    mu = jax.tree.map(new_buffer, params)
     if bias_correction:
       return BiasCorrectedMomentumState(count=jnp.zeros([], jnp.int32), mu=mu)
     return MomentumState(mu=mu)
@@ -127,12 +150,13 @@ def momentum(
   def update_fn(updates, state, params=None):
     del params
     weight = gradient_weight()
+    previous = load(state.mu)
     # bf16 grads into an fp32 buffer are summed in fp32
     updates = jax.tree.map(
-      lambda g, m: g.astype(jnp.result_type(g, m)), updates, state.mu
+      lambda g, m: g.astype(jnp.result_type(g, m)), updates, previous
     )
-    mu = jax.tree.map(lambda g, m: weight * g + beta * m, updates, state.mu)
-    stored = jax.tree.map(lambda m, old: m.astype(old.dtype), mu, state.mu)
+    mu = jax.tree.map(lambda g, m: weight * g + beta * m, updates, previous)
+    stored = store(mu, state.mu)
     if not bias_correction:
       if nesterov:
         out = jax.tree.map(lambda g, m: weight * g + beta * m, updates, mu)

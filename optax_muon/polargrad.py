@@ -22,6 +22,7 @@ from optax_muon import alias
 from optax_muon import layout as layout_lib
 
 # the functions by their own modules: the package's names are the functions
+from optax_muon.momentum import canonical_dtype
 from optax_muon.momentum import momentum as momentum_transform
 from optax_muon.orthogonalize import orthogonalize as orthogonalize_transform
 
@@ -63,6 +64,7 @@ def scale_by_polargrad(
   """
   _checks.check_positive("extra_scale_factor", extra_scale_factor)
   _, dimension_numbers = alias.from_layout(layout, None, dimension_numbers)
+  canonical_dtype("mu_dtype", mu_dtype, quantized=True)
   momentum = momentum_transform(
     beta, nesterov=nesterov, style=momentum_style, dtype=mu_dtype
   )

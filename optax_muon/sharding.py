@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec
 from optax_muon import _checks
 from optax_muon import _paths
 from optax_muon import layout
+from optax_muon import quantize
 from optax_muon import waves
 
 MODES = ("blockwise", "duplicated", "distributed", "allgather")
@@ -581,6 +582,8 @@ def zero1_sharding(
   replicated) and its first unsharded axis that ``axis`` divides is split
   over ``axis``, so optimizer state (Muon's momentum) takes 1/N of the memory
   per data-parallel rank. Use it for ``jax.device_put`` and ``out_shardings``.
+  An 8-bit leaf (``om.QuantizedMomentum``) splits its values and scales on
+  the same axis, one that both divide, so each shard holds whole blocks.
 
   Returns:
     A tree like ``tree`` of ``jax.sharding.NamedSharding``.
@@ -594,14 +597,30 @@ def zero1_sharding(
     "specs", specs, PartitionSpec, default=PartitionSpec()
   )
   spec_of = lookup.resolve(tree)
-  leaves, treedef = _paths.leaves_with_paths(tree)
-  out = []
-  for path, leaf in leaves:
-    shape = jnp.shape(leaf)
-    spec = list(spec_of(path)) + [None] * (len(shape) - len(spec_of(path)))
-    for dim, size in enumerate(shape):
-      if spec[dim] is None and size % mesh.shape[axis] == 0 and size > 1:
+  ways = mesh.shape[axis]
+
+  def split(path, shapes):
+    """One sharding for arrays of ``shapes`` (a quantized leaf's values and
+    scales differ only in their last axis): the first axis all divide."""
+    given = spec_of(path)
+    spec = list(given) + [None] * (len(shapes[0]) - len(given))
+    for dim in range(len(spec)):
+      sizes = [shape[dim] for shape in shapes]
+      if spec[dim] is None and all(n % ways == 0 and n > 1 for n in sizes):
         spec[dim] = axis
         break
-    out.append(jax.sharding.NamedSharding(mesh, PartitionSpec(*spec)))
+    return jax.sharding.NamedSharding(mesh, PartitionSpec(*spec))
+
+  is_quantized = lambda x: isinstance(x, quantize.QuantizedArray)
+  leaves, treedef = _paths.leaves_with_paths(tree, is_leaf=is_quantized)
+  out: list[Any] = []
+  for path, leaf in leaves:
+    if is_quantized(leaf):
+      shapes = [jnp.shape(leaf.values) or (1,), jnp.shape(leaf.scales)]
+      both = split(path + ("values",), shapes)
+      if not jnp.shape(leaf.values):
+        both = jax.sharding.NamedSharding(mesh, PartitionSpec())
+      out.append(quantize.QuantizedArray(both, both))
+    else:
+      out.append(split(path, [jnp.shape(leaf)]))
   return jax.tree.unflatten(treedef, out)

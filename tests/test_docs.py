@@ -83,10 +83,21 @@ def test_readme_is_a_front_page_linking_every_page():
     *(f"docs/{page}" for page in sorted(pages)),
     "CHANGELOG.md",
     "CONTRIBUTING.md",
-    "colab.research.google.com",
     "notebooks/muon_quickstart.ipynb",
   ):
     assert target in readme, target
+
+
+def test_no_page_links_to_a_public_home_the_project_does_not_have():
+  # the project has no public repository: a link to one (a Colab badge, a
+  # git clone) fails for the user who follows it
+  pages = [ROOT / "README.md", ROOT / "notebooks" / "muon_quickstart.ipynb"]
+  pages += sorted((ROOT / "docs").glob("*.md"))
+  pages += sorted((ROOT / "examples").glob("*/README.md"))
+  for page in pages:
+    text = page.read_text()
+    for dead in ("github.com/optax-muon", "colab.research.google.com/github"):
+      assert dead not in text, (page.name, dead)
 
 
 def test_readme_figures_are_the_recorded_ones():

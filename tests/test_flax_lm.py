@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import logging
+import platform
 import shutil
 import subprocess
 import sys
@@ -459,3 +460,64 @@ def test_the_adaptive_contestants_run_with_the_example_muon_settings(
   assert np.isfinite(final["final_val_loss"])
   # the model is traced once: the describe log reuses the optimizer's layout
   assert len(layouts) == 1
+
+
+def test_the_summary_records_the_python_and_the_text(tmp_path):
+  summary = compare_lib.compare(
+    SMALL + ["train.steps=4", "train.eval_every=4"],
+    sweeps={"adam": (3e-3,)},
+    out=tmp_path,
+    seeds=(0,),
+    max_extensions=0,
+  )
+  corpus = ByteCorpus(None, max_bytes=200000).describe()
+  assert summary["python"] == platform.python_version()
+  assert summary["corpus"] == corpus
+  assert corpus["source"].startswith("the standard library of Python")
+  assert (
+    ByteCorpus(None, max_bytes=100000).describe()["sha256"]
+    != (corpus["sha256"])
+  )
+
+
+def test_the_corpus_note_says_when_the_recorded_figures_trained_elsewhere(
+  tmp_path,
+):
+  ours = ByteCorpus(None, max_bytes=200000).describe()
+  recorded = tmp_path / "tiny_five"
+  recorded.mkdir()
+  other = dict(ours, sha256="0" * 64, source="the standard library of 3.11")
+  (recorded / "summary.json").write_text(json.dumps({"corpus": other}))
+  summary = {"preset": "tiny", "corpus": ours}
+  note = compare_lib.corpus_note(summary, tmp_path)
+  assert "the recorded figures" in note and "train.data=" in note
+  assert "the standard library of 3.11" in note
+  (recorded / "summary.json").write_text(json.dumps({"corpus": ours}))
+  assert compare_lib.corpus_note(summary, tmp_path).startswith("Same text")
+
+
+def test_the_recorded_tiny_figure_on_the_same_text(tmp_path):
+  # docs/examples.md's tiny table holds for the text it was trained on (the
+  # standard library of the Python it names); another Python's differs
+  recorded = json.loads(
+    (ROOT / "results" / "tiny_five" / "summary.json").read_text()
+  )
+  cfg = config_lib.run_config(
+    [
+      "optim.optimizer=adam",
+      "optim.lr=0.01",
+      "train.progress=false",
+      f"train.out_dir={tmp_path}",
+    ]
+  )
+  corpus = ByteCorpus(cfg.train.data, max_bytes=cfg.train.max_bytes)
+  if corpus.describe()["sha256"] != recorded["corpus"]["sha256"]:
+    pytest.skip(
+      f"the recorded figures trained on {recorded['corpus']['source']}; "
+      f"this is {corpus.source}"
+    )
+  final = train_lib.train(cfg)
+  # AdamW at its best lr, seed 0
+  assert final["final_val_loss"] == pytest.approx(
+    recorded["best"]["adam"]["seeds"][0], abs=5e-4
+  )

@@ -71,6 +71,9 @@ SWEEPS = {
 }
 SEEDS = (0, 1)
 MAX_EXTENSIONS = 3
+# the figures docs/examples.md quotes, by preset (results/<folder>/summary.json)
+RECORDED = pathlib.Path(__file__).resolve().parents[2] / "results"
+RECORDED_IN = {"tiny": "tiny_five", "small": "small"}
 
 
 def _curve(metrics: pathlib.Path) -> list[dict]:
@@ -351,6 +354,11 @@ def compare(
     "sweep": sweep_table,
     "best": best,
   }
+  trained_on = next(
+    (run["info"] for run in runs.values() if "corpus" in run["info"]), None
+  )
+  if trained_on is not None:
+    summary |= {k: trained_on[k] for k in ("python", "corpus")}
   earlier = _earlier_summary(root / "summary.json", summary) if reuse else None
   adam = runs.get("adam") or _recorded_adam(earlier, runs)
   vs_adam = {
@@ -381,6 +389,30 @@ def compare(
   (root / "summary.json").write_text(json.dumps(summary, indent=1))
   plot(runs, root / "val_loss.png")
   return summary
+
+
+def corpus_note(summary: dict, recorded: pathlib.Path = RECORDED) -> str:
+  """A line saying whether ``summary``'s runs trained on the text the
+  recorded figures of its preset did (only then are the losses comparable)."""
+  folder = RECORDED_IN.get(summary["preset"])
+  path = recorded / str(folder) / "summary.json"
+  if folder is None or not path.exists() or "corpus" not in summary:
+    return ""
+  theirs = json.loads(path.read_text())
+  ours = summary["corpus"]
+  where = f"results/{folder}/ and docs/examples.md"
+  if theirs.get("corpus", {}).get("sha256") == ours["sha256"]:
+    return (
+      f"Same text as the recorded figures ({where}): the losses above "
+      "should equal theirs to the digits shown."
+    )
+  recorded_on = theirs.get("corpus", {}).get("source", "another text")
+  return (
+    f"Note: this run trained on {ours['source']} ({ours['bytes']} bytes, "
+    f"sha256 {ours['sha256'][:12]}); the recorded figures ({where}) trained "
+    f"on {recorded_on}, so the losses differ. To train on the same text, "
+    "pass train.data=<that Python's Lib folder>."
+  )
 
 
 def parse_lrs(items, names) -> dict:
@@ -457,6 +489,9 @@ def main(argv=None):
       )
     else:
       print(f"{LABELS[name]} does not reach AdamW's final val loss")
+  note = corpus_note(summary)
+  if note:
+    print(note)
   return summary
 
 

@@ -6,8 +6,10 @@ data position of a run is its step count and a resumed run sees exactly the
 batches an uninterrupted one would.
 """
 
+import hashlib
 import os
 import pathlib
+import platform
 import sysconfig
 
 import numpy as np
@@ -64,6 +66,26 @@ class ByteCorpus:
         "little text to train on"
       )
     self.files = len(files)
+    self.used_files = len(train) + len(val)
+    self.source = (
+      f"the standard library of Python {platform.python_version()}"
+      if path is None
+      else str(path)
+    )
+
+  def describe(self) -> dict:
+    """What was trained on: where from, how much, and a SHA-256 of the
+    train and validation bytes (the stdlib differs between Pythons, so two
+    runs' losses compare only when their hashes match)."""
+    digest = hashlib.sha256(self.train.tobytes())
+    digest.update(b"\0")
+    digest.update(self.val.tobytes())
+    return {
+      "source": self.source,
+      "files": self.used_files,
+      "bytes": int(len(self.train) + len(self.val)),
+      "sha256": digest.hexdigest(),
+    }
 
   def batch(
     self, split: str, step: int, batch_size: int, block_size: int, seed: int = 0

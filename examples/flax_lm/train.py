@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import pathlib
+import platform
 import re
 import sys
 import time
@@ -374,6 +375,8 @@ def train(
           "model_flops_per_step": model_flops,
           "ns_flops_per_step": ns_flops,
           "params": int(sum(x.size for x in jax.tree.leaves(params))),
+          "python": platform.python_version(),
+          "corpus": corpus.describe(),
         },
         indent=1,
       )
