@@ -145,6 +145,7 @@ def torch_muon(
   adam_eps=1e-8,
   adam_weight_decay=0.0,
   adam_weight_decay_mask=None,
+  state_memory_kind: Literal["pinned_host"] | None = None,
 ) -> optax.GradientTransformation:
   r"""``torch.optim.Muon`` (PyTorch ≥ 2.9): its arguments, defaults and numbers.
 
@@ -187,8 +188,8 @@ def torch_muon(
     mu_dtype: the momentum buffer's dtype (``None``: the param's, as torch).
     labels, layout, dimension_numbers, split_qkv, split_gate_up, sharding,
       memory_budget, weight_decay_mask, scalar_optimizer, adam_learning_rate,
-      adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_weight_decay_mask:
-      as in ``om.muon``.
+      adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_weight_decay_mask,
+      state_memory_kind: as in ``om.muon``.
 
   Returns:
     An ``optax.GradientTransformation`` (``optax.partition`` of Muon, AdamW
@@ -263,4 +264,5 @@ def torch_muon(
     adam_eps=adam_eps,
     adam_weight_decay=adam_weight_decay,
     adam_weight_decay_mask=adam_weight_decay_mask,
+    state_memory_kind=state_memory_kind,
   )

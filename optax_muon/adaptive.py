@@ -321,6 +321,7 @@ def adaptive_muon(
   adam_weight_decay=0.0,
   adam_weight_decay_mask=None,
   memory_budget: int | None = None,
+  state_memory_kind: str | None = None,
 ) -> optax.GradientTransformation:
   r"""AdaptiveMuon (NorMuon, AdaMuon, NAMO) for the matrices, AdamW for the
   rest: ``om.muon`` with ``scale_by_adaptive_muon`` as the Muon direction
@@ -380,4 +381,5 @@ def adaptive_muon(
     adam_eps=adam_eps,
     adam_weight_decay=adam_weight_decay,
     adam_weight_decay_mask=adam_weight_decay_mask,
+    state_memory_kind=state_memory_kind,
   )

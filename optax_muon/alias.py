@@ -10,6 +10,7 @@ from optax_muon import _checks
 from optax_muon import _paths
 from optax_muon import labels as labels_lib
 from optax_muon import momentum as momentum_lib
+from optax_muon import offload
 from optax_muon import orthogonalize as orthogonalize_lib
 from optax_muon import scaling
 
@@ -279,6 +280,7 @@ def muon(
   layout=None,
   split_gate_up=None,
   memory_budget: int | None = None,
+  state_memory_kind: str | None = None,
 ) -> optax.GradientTransformation:
   r"""Muon for the matrices, AdamW (or Lion) for everything else.
 
@@ -317,6 +319,10 @@ def muon(
       numbers, looked up by path (a whole model's layout serves an optimizer
       of a subset, e.g. ``wrt=nnx.LoRAParam``); not with ``labels`` or
       ``dimension_numbers``.
+    state_memory_kind: ``None`` (device memory) or ``"pinned_host"``: the
+      whole state (Muon's momentum, AdamW's moments) in host memory between
+      steps, brought to the device inside each update (``om.offload``'s
+      ``offload_state``; the numbers are unchanged).
 
   Returns:
     An ``optax.GradientTransformation`` (``optax.partition`` of the two).
@@ -361,6 +367,7 @@ def muon(
     adam_eps=adam_eps,
     adam_weight_decay=adam_weight_decay,
     adam_weight_decay_mask=adam_weight_decay_mask,
+    state_memory_kind=state_memory_kind,
   )
 
 
@@ -379,11 +386,14 @@ def route(
   adam_weight_decay=0.0,
   adam_weight_decay_mask=None,
   muon_step=None,
+  state_memory_kind: str | None = None,
 ) -> optax.GradientTransformation:
   """A Muon-family ``direction`` for the ``"muon"`` leaves, with decoupled
   weight decay and the learning rate (or ``muon_step``, a transform that
   turns the direction into the step itself), beside AdamW (or Lion) for the
-  ``"adam"`` leaves and nothing for the ``"none"`` ones (see ``muon``)."""
+  ``"adam"`` leaves and nothing for the ``"none"`` ones, the whole state in
+  ``state_memory_kind`` between steps (see ``muon``)."""
+  offload.check_memory_kind(state_memory_kind)
   _check_learning_rate("learning_rate", learning_rate)
   _check_learning_rate("adam_learning_rate", adam_learning_rate, optional=True)
   _checks.check_choice("scalar_optimizer", scalar_optimizer, SCALAR_OPTIMIZERS)
@@ -430,7 +440,7 @@ def route(
       weight_decay=adam_weight_decay,
       mask=scalar_mask,
     )
-  return optax.partition(
+  routed = optax.partition(
     {
       labels_lib.MUON: in_params_dtype(muon_chain),
       labels_lib.ADAM: scalar_chain,
@@ -438,3 +448,6 @@ def route(
     },
     labels_lib.label_fn(labels),
   )
+  if state_memory_kind is None:
+    return routed
+  return offload.offload_state(routed, state_memory_kind)

@@ -41,6 +41,7 @@ from optax.contrib import MuonState
 from optax_muon import _checks
 from optax_muon import coefficients as coefficients_lib
 from optax_muon import layout
+from optax_muon import offload
 from optax_muon import scaling
 from optax_muon import sharding as sharding_lib
 from optax_muon._torch import torch_muon
@@ -370,6 +371,7 @@ def muon(
   method: str = "standard",
   precision: str = "high",
   memory_budget: int | None = None,
+  state_memory_kind: str | None = None,
 ) -> optax.GradientTransformation:
   r"""``optax.contrib.muon`` (optax 0.2.8), built on optax_muon.
 
@@ -409,6 +411,8 @@ def muon(
     precision: ``"high"`` (optax's), ``"highest"`` or ``"medium"`` (extra).
     memory_budget: bytes per device of orthogonalization work in flight
       (extra; ``None``: 2 GiB; see ``om.orthogonalize``).
+    state_memory_kind: ``"pinned_host"`` keeps the state in host memory
+      between steps (extra; see ``om.muon``).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is optax's.
@@ -438,7 +442,8 @@ def muon(
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
   labels, muon_dims = _labels_and_dims(muon_weight_dimension_numbers)
-  return optax.partition(
+  offload.check_memory_kind(state_memory_kind)
+  routed = optax.partition(
     transforms={
       "muon": optax.chain(
         scale_by_muon(
@@ -473,3 +478,6 @@ def muon(
     },
     param_labels=labels,
   )
+  if state_memory_kind is None:
+    return routed
+  return offload.offload_state(routed, state_memory_kind)

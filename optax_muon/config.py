@@ -30,6 +30,7 @@ from optax_muon import coefficients
 from optax_muon import layout as layout_lib
 from optax_muon import momentum
 from optax_muon import newton_schulz
+from optax_muon import offload
 from optax_muon import qk_clip as qk_clip_lib
 from optax_muon import scaling
 from optax_muon import sharding as sharding_lib
@@ -84,6 +85,9 @@ class MuonConfig:
     muon_momentum_bits: ``None`` (the momentum in the param's dtype) or 8
       (int8 with a float32 scale per block: ``om.QuantizedMomentum``).
     muon_momentum_block_size: entries per block of the 8-bit momentum.
+    optimizer_offload: verl's name: the whole optimizer state (Muon's
+      momentum, AdamW's moments) in pinned host memory between steps,
+      brought to the device inside each update (``state_memory_kind``).
     qk_clip: QK-clip (MuonClip) after each step; ``build`` then needs
       ``attention=`` (see ``optax_muon.qk_clip``) and ``update`` the step's
       ``max_logits=``.
@@ -118,6 +122,7 @@ class MuonConfig:
   muon_memory_budget: int | None = None
   muon_momentum_bits: int | None = None
   muon_momentum_block_size: int = 256
+  optimizer_offload: bool = False
   qk_clip: bool = False
   qk_clip_threshold: float = 100.0
   qk_clip_alpha: float = 0.5
@@ -284,8 +289,41 @@ class MuonConfig:
         ``SplitGateUp()`` when ``muon_split_gate_up``.
 
     Returns:
-      An ``optax.GradientTransformation``.
+      An ``optax.GradientTransformation``; with ``optimizer_offload`` its
+      whole state lives in pinned host memory between steps.
     """
+    tx = self._build(
+      learning_rate,
+      params=params,
+      mesh=mesh,
+      split_qkv=split_qkv,
+      labels=labels,
+      specs=specs,
+      attention=attention,
+      layout=layout,
+      dimension_numbers=dimension_numbers,
+      tp_axis=tp_axis,
+      split_gate_up=split_gate_up,
+    )
+    if not self.optimizer_offload:
+      return tx
+    return offload.offload_state(tx, "pinned_host")
+
+  def _build(
+    self,
+    learning_rate,
+    *,
+    params,
+    mesh,
+    split_qkv,
+    labels,
+    specs,
+    attention,
+    layout,
+    dimension_numbers,
+    tp_axis,
+    split_gate_up,
+  ) -> optax.GradientTransformation:
     lr = self.lr if learning_rate is None else learning_rate
     b1, b2 = self.betas
     decay_mask = alias.matrices_only

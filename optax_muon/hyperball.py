@@ -119,6 +119,7 @@ def muon_hyperball(
   adam_eps=1e-8,
   adam_weight_decay=0.0,
   adam_weight_decay_mask=None,
+  state_memory_kind: str | None = None,
   **muon_kwargs,
 ) -> optax.GradientTransformation:
   r"""MuonHyperball for the matrices, AdamW for the rest: ``om.muon`` whose
@@ -130,8 +131,8 @@ def muon_hyperball(
     hyperball_eps: floor of the norms divided by.
     weight_decay: the Muon leaves' decoupled decay, applied before the step
       (without ``radius`` it shrinks the radius by ``1 − lr·wd`` per step).
-    labels, dimension_numbers, layout, scalar_optimizer, adam_*: as in
-      ``om.muon``.
+    labels, dimension_numbers, layout, scalar_optimizer, adam_*,
+      state_memory_kind: as in ``om.muon``.
     **muon_kwargs: the other arguments of ``om.scale_by_muon``.
 
   Returns:
@@ -161,4 +162,5 @@ def muon_hyperball(
     muon_step=hyperball(
       learning_rate, radius=radius, eps=hyperball_eps, weight_decay=weight_decay
     ),
+    state_memory_kind=state_memory_kind,
   )

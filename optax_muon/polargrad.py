@@ -123,6 +123,7 @@ def polargrad(
   weight_decay_mask=None,
   labels=None,
   memory_budget: int | None = None,
+  state_memory_kind: str | None = None,
   **scalar_kwargs,
 ) -> optax.GradientTransformation:
   r"""PolarGrad for the matrices, AdamW for the rest: ``om.muon``'s routing
@@ -161,4 +162,5 @@ def polargrad(
     weight_decay_mask=weight_decay_mask,
     labels=labels,
     **scalar_kwargs,
+    state_memory_kind=state_memory_kind,
   )

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import pytest
 
@@ -521,3 +522,29 @@ def test_the_recorded_tiny_figure_on_the_same_text(tmp_path):
   assert final["final_val_loss"] == pytest.approx(
     recorded["best"]["adam"]["seeds"][0], abs=5e-4
   )
+
+
+def test_an_offloaded_run_resumes_exactly(tmp_path):
+  # optim.optimizer_offload=true: the state in pinned host memory, saved and
+  # restored there; resuming from step 8 ends where the whole run does
+  common = SMALL + [
+    "optim.optimizer=muon",
+    "optim.optimizer_offload=true",
+    "train.checkpoint_every=4",
+  ]
+  whole = train_lib.train(
+    config_lib.run_config(common + [f"train.out_dir={tmp_path / 'whole'}"])
+  )
+  resumed_dir = tmp_path / "resumed"
+  shutil.copytree(tmp_path / "whole", resumed_dir)
+  shutil.rmtree(resumed_dir / "checkpoints" / "12")
+  (resumed_dir / "final.json").unlink()
+  resumed = train_lib.train(
+    config_lib.run_config(common + [f"train.out_dir={resumed_dir}"]),
+    resume=True,
+  )
+  assert resumed["params_sha256"] == whole["params_sha256"]
+  assert _curve(resumed_dir) == _curve(tmp_path / "whole")
+  built = train_lib.build(config_lib.run_config(common))
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(built.opt_state)}
+  assert kinds == {"pinned_host"}
