@@ -11,7 +11,21 @@ COLLECTIVES = (
   "collective-permute",
   "reduce-scatter",
 )
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
+_BYTES = {
+  "f64": 8,
+  "s64": 8,
+  "u64": 8,
+  "f32": 4,
+  "s32": 4,
+  "u32": 4,
+  "bf16": 2,
+  "f16": 2,
+  "s16": 2,
+  "u16": 2,
+  "s8": 1,
+  "u8": 1,
+  "pred": 1,
+}
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
 _CALLEE = re.compile(
   r"(body|condition|calls|to_apply|branch_computations)="
@@ -94,3 +108,23 @@ def collective_bytes(hlo: str) -> dict:
         if match:
           totals[kind] += _array_bytes(match.group(1)) * times
   return totals
+
+
+def host_bytes(hlo: str) -> tuple[int, int]:
+  """Bytes of the entry computation's host-memory (``S(5)``) arguments and
+  results, read off its ``entry_computation_layout`` (the CPU compiler's
+  ``memory_analysis()`` does not split them out)."""
+  start = hlo.find("entry_computation_layout={")
+  if start < 0:
+    return 0, 0
+  start += len("entry_computation_layout={")
+  depth, end = 1, start
+  while depth:  # to the brace that closes the layout
+    depth += {"{": 1, "}": -1}.get(hlo[end], 0)
+    end += 1
+  arguments, _, results = hlo[start : end - 1].partition(")->")
+  host = lambda text: sum(
+    _array_bytes(array)
+    for array in re.findall(r"\w+\[[\d,]*\]\{[^}]*S\(5\)[^}]*\}", text)
+  )
+  return host(arguments), host(results)

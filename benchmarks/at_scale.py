@@ -31,9 +31,13 @@ For each ``tp_mode`` (``--mesh 1x1``: one device, ``om.muon`` without
 JSON line: per device the params, grads and state bytes, the compiler's
 argument, output and temporary bytes, the collective bytes by kind (loop
 bodies counted trip-count times), compile seconds, and whether params +
-grads + state + temp fit an 80 GB, a 95 GB (v5p) and a 141 GB part
-(``fits``), and the ratio of each mode's collective bytes to
-``duplicated``'s.
+grads + device-resident state + temp fit an 80 GB, a 95 GB (v5p) and a
+141 GB part (``fits``), and the ratio of each mode's collective bytes to
+``duplicated``'s. ``--momentum 8bit`` stores Muon's momentum as
+``om.QuantizedMomentum`` (blocks of up to 256 that divide every shard);
+``--offload`` keeps the whole state in pinned host
+memory (``state_memory_kind``): the compiler's ``host_argument`` bytes are
+then the state's, and ``state_device_gib`` is zero.
 """
 
 import argparse
@@ -63,6 +67,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _hlo import collective_bytes  # noqa: E402
+from _hlo import host_bytes  # noqa: E402
 from _timing import emit  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -161,7 +166,18 @@ def make_mesh(target: str, dp: int, tp: int):
   return jax.sharding.Mesh(np.array(devices).reshape(dp, tp), ("data", "model"))
 
 
-def optimizers(flat, mesh, modes, budget):
+def block_size(flat, mesh) -> int:
+  """The 8-bit momentum's block: at most 256, dividing the shard width of
+  every Muon leaf's last axis (the abstract init cannot read shardings)."""
+  widths = [
+    shape[-1] // (mesh.shape["model"] if spec[-1] == "model" else 1)
+    for shape, label, spec in flat.values()
+    if label == "muon"
+  ]
+  return math.gcd(256, *widths)
+
+
+def optimizers(flat, mesh, modes, budget, momentum="param", offload=False):
   labels = nest({k: label for k, (_, label, _) in flat.items()})
   specs = nest({k: P(*spec) for k, (_, _, spec) in flat.items()})
   dims = nest(
@@ -175,6 +191,13 @@ def optimizers(flat, mesh, modes, budget):
     }
   )
   extra = {} if budget is None else {"memory_budget": budget}
+  extra["mu_dtype"] = {
+    "param": None,
+    "fp32": "float32",
+    "8bit": om.QuantizedMomentum(block_size=block_size(flat, mesh)),
+  }[momentum]
+  if offload:
+    extra["state_memory_kind"] = "pinned_host"
   out = {}
   for mode in modes:
     if mode == "optax.contrib.muon":
@@ -202,37 +225,50 @@ def abstract_tree(flat, mesh, dtype):
   )
 
 
-def state_like(state, params):
+def state_like(state, params, memory_kind=None):
   """The abstract state, each param-shaped leaf sharded like its param (its
-  path ends with the param's), the rest replicated."""
+  path ends with the param's; an 8-bit leaf's values and scales too, the
+  scales' blocks split like the param's last axis), the rest replicated;
+  all in ``memory_kind``."""
   by_path = {
     tuple(str(k) for k in path): leaf
     for path, leaf in jax.tree_util.tree_leaves_with_path(params)
   }
   mesh = jax.tree.leaves(params)[0].sharding.mesh
-  replicated = NamedSharding(mesh, P())
+  replicated = NamedSharding(mesh, P(), memory_kind=memory_kind)
+  parts = (".values", ".scales")
 
   def place(path, leaf):
     keys = tuple(str(k) for k in path)
+    if keys and keys[-1] in parts:
+      keys = keys[:-1]
     for start in range(len(keys)):
       param = by_path.get(keys[start:])
-      if param is not None and param.shape == leaf.shape:
-        return jax.ShapeDtypeStruct(
-          leaf.shape, leaf.dtype, sharding=param.sharding
+      if param is not None and param.shape[:-1] == leaf.shape[:-1]:
+        sharding = NamedSharding(
+          mesh, param.sharding.spec, memory_kind=memory_kind
         )
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=replicated)
 
   return jax.tree_util.tree_map_with_path(place, state)
 
 
-def measure(tx, params, name):
+def measure(tx, params, name, offload=False):
   """The compiled update's memory and collectives (or the refusal)."""
-  state = state_like(jax.eval_shape(tx.init, params), params)
+  state = state_like(
+    jax.eval_shape(tx.init, params),
+    params,
+    "pinned_host" if offload else None,
+  )
   start = time.perf_counter()
+  state_gib = tree_bytes(state) / GIB
   record = {
     "params_gib": tree_bytes(params) / GIB,
     "grads_gib": tree_bytes(params) / GIB,
-    "state_gib": tree_bytes(state) / GIB,
+    "state_gib": state_gib,
+    # what of it stays in device memory between steps
+    "state_device_gib": 0.0 if offload else state_gib,
   }
   try:
     compiled = jax.jit(tx.update).lower(params, state, params).compile()
@@ -247,18 +283,31 @@ def measure(tx, params, name):
     return record
   record["compile_s"] = time.perf_counter() - start
   memory = compiled.memory_analysis()
-  for key in ("argument", "output", "temp", "alias", "host_argument"):
+  for key in (
+    "argument",
+    "output",
+    "temp",
+    "alias",
+    "host_argument",
+    "host_output",
+    "host_temp",
+  ):
     value = getattr(memory, f"{key}_size_in_bytes", None)
     if value is not None:
       record[f"{key}_gib"] = value / GIB
-  kinds = collective_bytes(compiled.as_text())
+  hlo = compiled.as_text()
+  if offload and not record.get("host_argument_gib"):  # the CPU compiler's
+    record["host_argument_gib"], record["host_output_gib"] = (
+      b / GIB for b in host_bytes(hlo)
+    )
+  kinds = collective_bytes(hlo)
   record["collective_gib"] = {k: v / GIB for k, v in kinds.items() if v}
   record["collective_total_gib"] = sum(kinds.values()) / GIB
   record["compiled"] = True
   resident = (
     record["params_gib"]
     + record["grads_gib"]
-    + record["state_gib"]
+    + record["state_device_gib"]
     + record["temp_gib"]
   )
   record["resident_gib"] = resident
@@ -279,6 +328,17 @@ def main(argv=None):
     default=",".join(om.sharding.MODES + ("optax.contrib.muon",)),
   )
   parser.add_argument("--memory-budget", type=int, default=None)
+  parser.add_argument(
+    "--momentum",
+    default="param",
+    choices=["param", "fp32", "8bit"],
+    help="Muon's momentum: the param dtype, fp32, or 8-bit blockwise",
+  )
+  parser.add_argument(
+    "--offload",
+    action="store_true",
+    help="the optimizer state in pinned host memory (state_memory_kind)",
+  )
   parser.add_argument("--quick", action="store_true")
   args = parser.parse_args(argv)
   if args.quick:
@@ -295,7 +355,12 @@ def main(argv=None):
   if dp * tp == 1:  # one device: no tensor parallelism to choose
     modes = ["unsharded"] + [m for m in modes if m == "optax.contrib.muon"]
   records = {}
-  for name, tx in optimizers(flat, mesh, modes, args.memory_budget).items():
+  if args.momentum != "param" or args.offload:  # options of om.muon only
+    modes = [m for m in modes if m != "optax.contrib.muon"]
+  built = optimizers(
+    flat, mesh, modes, args.memory_budget, args.momentum, args.offload
+  )
+  for name, tx in built.items():
     record = {
       "benchmark": "at_scale",
       "model": args.model,
@@ -305,8 +370,10 @@ def main(argv=None):
       "dtype": args.dtype,
       "target": args.target,
       "memory_budget": args.memory_budget,
+      "momentum": args.momentum,
+      "offload": args.offload,
       "mode": name,
-      **measure(tx, params, name),
+      **measure(tx, params, name, args.offload),
     }
     records[name] = record
   base = records.get("duplicated", {}).get("collective_total_gib")

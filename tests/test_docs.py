@@ -230,3 +230,22 @@ def test_the_readme_use_comment_is_what_infer_layout_reads():
   assert labels["layers"][last]["kernel"] == "adam"
   for index in (first, last):
     assert labels["layers"][index]["bias"] == "adam"
+
+
+def test_the_8_bit_table_is_the_recorded_one():
+  summary = json.loads(
+    (ROOT / "results" / "tiny_8bit" / "summary.json").read_text()
+  )
+  section = (ROOT / "docs" / "examples.md").read_text()
+  section = section.split("### 8-bit momentum on the `tiny` preset")[1]
+  section = section.split("\n#")[0]
+  rows = {row["optimizer"]: row for row in summary["sweep"]}
+  for name, label in (("muon", "| float32 |"), ("muon8bit", "| 8-bit")):
+    line = next(l for l in section.splitlines() if l.startswith(label))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    seeds = [f"{x:.4f}" for x in rows[name]["seeds"]]
+    assert cells[1:] == [*seeds, f"{rows[name]['final_val_loss']:.4f}"], name
+  gap = rows["muon8bit"]["final_val_loss"] - rows["muon"]["final_val_loss"]
+  spread = max(rows["muon"]["seeds"]) - min(rows["muon"]["seeds"])
+  assert abs(gap) <= spread  # within float32's two-seed spread
+  assert f"{abs(gap):.4f}" in section and f"{spread:.4f}" in section

@@ -7,7 +7,8 @@ Five contestants: ``muon`` (optax_muon through ``MuonConfig``), ``optax``
 (``optax.contrib.muon`` as a user calls it: its defaults, the example's lr
 schedule, weight decay and clipping), ``adam`` (AdamW), and ``normuon`` and
 ``adamuon`` (``MuonConfig(optimizer="adaptive_muon")`` with the example's
-Muon settings). ``--lrs`` runs a subset. Each sweeps its
+Muon settings); ``muon8bit``, optax_muon's Muon with its momentum in 8 bits,
+runs when ``--lrs`` names it. ``--lrs`` runs a subset. Each sweeps its
 own lrs with two seeds (model init and batches) and is ranked by the mean
 final validation loss; a sweep whose best lr is at an edge is extended past it
 (×2 or ÷2) until the best is inside, at most ``MAX_EXTENSIONS`` times.
@@ -44,6 +45,8 @@ CONTESTANTS = {
   "optax": ("optim.optimizer=muon", "train.muon_impl=optax.contrib"),
   "normuon": (ADAPTIVE, "optim.adaptive_muon_moment2_method=normuon"),
   "adamuon": (ADAPTIVE, "optim.adaptive_muon_moment2_method=adamuon"),
+  # optax_muon's Muon with its momentum in 8 bits (om.QuantizedMomentum)
+  "muon8bit": ("optim.optimizer=muon", "optim.muon_momentum_bits=8"),
 }
 LABELS = {
   "adam": "AdamW",
@@ -51,6 +54,7 @@ LABELS = {
   "optax": "optax.contrib.muon",
   "normuon": "NorMuon (optax_muon)",
   "adamuon": "AdaMuon (optax_muon)",
+  "muon8bit": "optax_muon, 8-bit momentum",
 }
 SWEEPS = {
   "tiny": {
