@@ -325,7 +325,7 @@ def main(argv=None):
   parser.add_argument("--target", default="cpu", choices=sorted(TARGETS))
   parser.add_argument(
     "--modes",
-    default=",".join(om.sharding.MODES + ("optax.contrib.muon",)),
+    default=",".join(om.TensorParallel.MODES + ("optax.contrib.muon",)),
   )
   parser.add_argument("--memory-budget", type=int, default=None)
   parser.add_argument(

@@ -19,7 +19,7 @@ import jax  # noqa: E402
 
 import optax_muon as om  # noqa: E402
 
-newton_schulz = importlib.import_module("optax_muon.newton_schulz")
+newton_schulz = importlib.import_module("optax_muon._src.kernels.newton_schulz")
 from _timing import emit  # noqa: E402
 from _timing import interleaved  # noqa: E402
 from _timing import ns_flops  # noqa: E402

@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_muon as om  # noqa: E402
+from optax_muon._src.parallel.tensor_parallel import shares_out  # noqa: E402
 
 # (d_model, d_ffn, query heads, kv heads, head dim, layers)
 DECODERS = {
@@ -76,7 +77,7 @@ def expected_bytes(shapes, mode: str, tp: int) -> float:
       groups.setdefault((min(a, b), max(a, b)), []).append(4 * a * b)
     total = 0.0
     for sizes in groups.values():
-      if om.sharding.shares_out(len(sizes), tp):
+      if shares_out(len(sizes), tp):
         padded = -(-len(sizes) // tp) * tp
         total += 2 * padded * sizes[0] / tp  # two all-to-alls of the stack
       else:
@@ -116,7 +117,7 @@ def plan(quick: bool):
           labels=labels,
           sharding=om.TensorParallel(mesh, mode=mode, specs=specs),
         )
-        for mode in om.sharding.MODES
+        for mode in om.TensorParallel.MODES
       }
       optimizers["optax.contrib.muon"] = optax.contrib.muon(0.02)
       for mode, tx in optimizers.items():
@@ -128,7 +129,7 @@ def plan(quick: bool):
           .as_text()
         )
         row["bytes"][mode] = layers * sum(collective_bytes(hlo).values())
-        if mode in om.sharding.MODES:
+        if mode in om.TensorParallel.MODES:
           row["expected_bytes"][mode] = layers * expected_bytes(
             shapes, mode, tp
           )
@@ -137,15 +138,15 @@ def plan(quick: bool):
   gib = lambda x: f"{x / 2**30:.2f}"
   print(
     "| model | TP | "
-    + " | ".join(f"{m} (expected)" for m in om.sharding.MODES)
+    + " | ".join(f"{m} (expected)" for m in om.TensorParallel.MODES)
     + " | optax.contrib.muon "
     "(GSPMD) |"
   )
-  print("|---|---|" + "---|" * (len(om.sharding.MODES) + 1))
+  print("|---|---|" + "---|" * (len(om.TensorParallel.MODES) + 1))
   for row in rows:
     cells = [
       f"{gib(row['bytes'][m])} ({gib(row['expected_bytes'][m])})"
-      for m in om.sharding.MODES
+      for m in om.TensorParallel.MODES
     ]
     print(
       f"| {row['model']} | {row['tp']} | "
@@ -181,7 +182,7 @@ def main():
         labels=labels,
         sharding=om.TensorParallel(mesh, mode=mode, specs=specs),
       )
-      for mode in om.sharding.MODES
+      for mode in om.TensorParallel.MODES
     }
     optimizers["optax.contrib.muon"] = optax.contrib.muon(
       0.02, ns_coeffs="dion"
@@ -209,11 +210,11 @@ def main():
     record["total_bytes"] = total
     record["bytes_over_optax"] = {
       mode: total[mode] / max(total["optax.contrib.muon"], 1)
-      for mode in om.sharding.MODES
+      for mode in om.TensorParallel.MODES
     }
     record["time_over_optax"] = {
       mode: record["seconds"][mode] / record["seconds"]["optax.contrib.muon"]
-      for mode in om.sharding.MODES
+      for mode in om.TensorParallel.MODES
     }
     emit(record)
 

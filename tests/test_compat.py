@@ -348,7 +348,7 @@ def test_tensor_parallel_through_compat_equals_unsharded():
   )
   plain = compat.muon(0.02)
   expected, _ = jax.jit(plain.update)(tree, plain.init(tree), tree)
-  for mode in om.sharding.MODES:
+  for mode in om.TensorParallel.MODES:
     sharded = compat.muon(
       0.02, sharding=om.TensorParallel(mesh, "model", mode, specs=specs)
     )

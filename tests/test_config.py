@@ -136,7 +136,7 @@ def test_match_adamw_update_rms_conflicts_with_any_explicit_extra_factor():
 
 
 def test_resolved_factor_is_logged(caplog):
-  from optax_muon import alias
+  from optax_muon._src.optimizers import muon as alias
 
   alias._logged_factors.clear()
   caplog.set_level("INFO", logger="optax_muon")

@@ -20,7 +20,7 @@ from conftest import gaussian
 from conftest import polar
 
 MDN = om.MuonDimensionNumbers
-ns_lib = importlib.import_module("optax_muon.newton_schulz")
+ns_lib = importlib.import_module("optax_muon._src.kernels.newton_schulz")
 
 
 # 1. complex parameters ------------------------------------------------------

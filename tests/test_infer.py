@@ -10,7 +10,7 @@ from flax import nnx
 import optax_muon as om
 from conftest import ROOT
 from conftest import gaussian
-from optax_muon import layout as layout_lib
+from optax_muon._src.views import layout as layout_lib
 
 MDN = om.MuonDimensionNumbers
 TOKENS = jnp.zeros((2, 8), jnp.int32)

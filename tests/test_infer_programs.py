@@ -9,7 +9,7 @@ from flax import nnx
 
 import optax_muon as om
 from conftest import gaussian
-from optax_muon import _uses
+from optax_muon._src.inference import uses as _uses
 
 MDN = om.MuonDimensionNumbers
 

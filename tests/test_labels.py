@@ -7,7 +7,7 @@ from flax import nnx
 import optax_muon as om
 from examples.flax_lm.model import GPT
 from examples.flax_lm.model import GPTConfig
-from optax_muon import _paths
+from optax_muon._src.base import paths as _paths
 
 
 def _labels_by_path(cfg, **kwargs):

@@ -16,13 +16,13 @@ from optax.contrib import MuonDimensionNumbers as Dims
 
 import optax_muon as om
 from conftest import ROOT
-from optax_muon import waves
+from optax_muon._src.parallel import waves
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _hlo  # noqa: E402
 
 TINY = 1  # bytes: every task over budget, so every stack is split
-MODES = om.sharding.MODES
+MODES = om.TensorParallel.MODES
 
 
 def _mesh(shape=(2, 4)):

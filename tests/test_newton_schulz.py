@@ -15,8 +15,10 @@ import optax_muon as om
 from conftest import gaussian as _gaussian
 
 # The package re-exports the function under the module's name.
-ns_lib = importlib.import_module("optax_muon.newton_schulz")
-coefficients_lib = importlib.import_module("optax_muon.coefficients")
+ns_lib = importlib.import_module("optax_muon._src.kernels.newton_schulz")
+coefficients_lib = importlib.import_module(
+  "optax_muon._src.kernels.coefficients"
+)
 
 
 @pytest.mark.parametrize("name", sorted(om.COEFFICIENT_SETS))

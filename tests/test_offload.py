@@ -77,7 +77,7 @@ def test_the_state_lives_in_host_memory_after_init_and_every_update():
     assert _kinds(state) == {HOST}
 
 
-@pytest.mark.parametrize("mode", [None, *om.sharding.MODES])
+@pytest.mark.parametrize("mode", [None, *om.TensorParallel.MODES])
 def test_offloaded_updates_are_bit_identical_in_every_mode(mode):
   params, specs, labels, dims = _tree()
   mesh = jax.make_mesh(

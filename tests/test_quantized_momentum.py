@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
 from conftest import ROOT
-from optax_muon import quantize
+from optax_muon._src.kernels import quantize
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _hlo  # noqa: E402

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
 from conftest import ROOT
+from optax_muon._src.parallel.tensor_parallel import shares_out
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _hlo  # noqa: E402  (the benchmarks' HLO byte count)
@@ -299,7 +300,7 @@ def test_allgather_uses_all_to_all_and_no_full_gather():
   ],
 )
 def test_allgather_shares_out_when_it_moves_fewer_bytes(count, ranks, shares):
-  assert om.sharding.shares_out(count, ranks) is shares
+  assert shares_out(count, ranks) is shares
 
 
 def test_allgather_pads_four_leaves_over_eight_ranks_at_half_the_bytes():

@@ -9,7 +9,7 @@ import pytest
 
 import optax_muon as om
 from conftest import gaussian
-from optax_muon import layout
+from optax_muon._src.views import layout
 
 MDN = om.MuonDimensionNumbers
 
@@ -223,7 +223,7 @@ def test_match_adamw_update_rms_uses_beta1_factor():
 
 def test_match_adamw_update_rms_is_logged_once(caplog):
   caplog.set_level("INFO", logger="optax_muon")
-  from optax_muon import alias
+  from optax_muon._src.optimizers import muon as alias
 
   alias._logged_factors.clear()
   for _ in range(3):

@@ -9,9 +9,9 @@ An override line has three sections: ``model.*`` (``GPTConfig``), ``train.*``
 import dataclasses
 
 from examples.flax_lm.model import GPTConfig
-from optax_muon.config import MuonConfig
-from optax_muon.config import parse_fields
-from optax_muon.config import split_overrides
+from optax_muon._src.config.muon_config import MuonConfig
+from optax_muon._src.config.muon_config import parse_fields
+from optax_muon._src.config.muon_config import split_overrides
 
 MUON_IMPLS = ("optax_muon", "optax.contrib")
 # optimizers with a Newton–Schulz step (and the example's Muon settings)

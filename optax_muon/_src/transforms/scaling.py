@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_muon import _checks
-from optax_muon import layout
-from optax_muon import sharding as sharding_lib
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.parallel import tensor_parallel as sharding_lib
+from optax_muon._src.views import layout
 
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 

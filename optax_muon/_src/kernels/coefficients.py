@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from optax_muon import _checks
+from optax_muon._src.base import checks as _checks
 
 
 class CoefficientSet(NamedTuple):

@@ -28,16 +28,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_muon import _checks
-from optax_muon import alias
-from optax_muon import layout as layout_lib
-from optax_muon import scaling
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.optimizers import muon as alias
+from optax_muon._src.transforms import scaling
 
 # the functions by their own modules: the package's names are the functions
-from optax_muon.momentum import MOMENTUM_STYLES
-from optax_muon.momentum import canonical_dtype
-from optax_muon.momentum import momentum as momentum_transform
-from optax_muon.orthogonalize import orthogonalize as orthogonalize_transform
+from optax_muon._src.transforms.momentum import MOMENTUM_STYLES
+from optax_muon._src.transforms.momentum import canonical_dtype
+from optax_muon._src.transforms.momentum import momentum as momentum_transform
+from optax_muon._src.transforms.orthogonalize import (
+  orthogonalize as orthogonalize_transform,
+)
+from optax_muon._src.views import layout as layout_lib
 
 MOMENT2_METHODS = ("adamuon", "normuon", "namo")
 _TINY = 1e-30

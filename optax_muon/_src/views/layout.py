@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from optax.contrib import MuonDimensionNumbers
 
-from optax_muon import _paths
+from optax_muon._src.base import paths as _paths
 
 QKV_LAYOUTS = ("grouped", "concatenated")
 

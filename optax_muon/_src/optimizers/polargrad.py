@@ -17,14 +17,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_muon import _checks
-from optax_muon import alias
-from optax_muon import layout as layout_lib
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.optimizers import muon as alias
 
 # the functions by their own modules: the package's names are the functions
-from optax_muon.momentum import canonical_dtype
-from optax_muon.momentum import momentum as momentum_transform
-from optax_muon.orthogonalize import orthogonalize as orthogonalize_transform
+from optax_muon._src.transforms.momentum import canonical_dtype
+from optax_muon._src.transforms.momentum import momentum as momentum_transform
+from optax_muon._src.transforms.orthogonalize import (
+  orthogonalize as orthogonalize_transform,
+)
+from optax_muon._src.views import layout as layout_lib
 
 
 class PolarGradState(NamedTuple):

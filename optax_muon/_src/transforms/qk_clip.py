@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_muon import _checks
-from optax_muon import _paths
-from optax_muon import layout
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import paths as _paths
+from optax_muon._src.views import layout
 
 
 def _check_heads(num_heads, num_kv_heads, head_dim) -> None:

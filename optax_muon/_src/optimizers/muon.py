@@ -6,13 +6,13 @@ import jax
 import numpy as np
 import optax
 
-from optax_muon import _checks
-from optax_muon import _paths
-from optax_muon import labels as labels_lib
-from optax_muon import momentum as momentum_lib
-from optax_muon import offload
-from optax_muon import orthogonalize as orthogonalize_lib
-from optax_muon import scaling
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import paths as _paths
+from optax_muon._src.parallel import offload
+from optax_muon._src.transforms import momentum as momentum_lib
+from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
+from optax_muon._src.transforms import scaling
+from optax_muon._src.views import labels as labels_lib
 
 SCALAR_OPTIMIZERS = ("adam", "lion")
 _logger = logging.getLogger("optax_muon")

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_muon import layout
+from optax_muon._src.views import layout
 
 # Measured (benchmarks/at_scale.py, docs/scaling.md): at 2 GiB a
 # Llama-3-70B update with scanned layers at TP 8 fits a v5p chip in every

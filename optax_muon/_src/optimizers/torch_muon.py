@@ -9,11 +9,13 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from optax_muon import _checks
-from optax_muon import alias
-from optax_muon import scaling
-from optax_muon.momentum import canonical_dtype
-from optax_muon.orthogonalize import orthogonalize as orthogonalize_transform
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.optimizers import muon as alias
+from optax_muon._src.transforms import scaling
+from optax_muon._src.transforms.momentum import canonical_dtype
+from optax_muon._src.transforms.orthogonalize import (
+  orthogonalize as orthogonalize_transform,
+)
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 WEIGHT_ORDERS = ("in_out", "out_in")

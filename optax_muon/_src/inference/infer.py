@@ -35,14 +35,14 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from optax_muon import _checks
-from optax_muon import _paths
-from optax_muon import _uses
-from optax_muon import adaptive
-from optax_muon import alias
-from optax_muon import labels as labels_lib
-from optax_muon import layout as layout_lib
-from optax_muon import scaling
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import paths as _paths
+from optax_muon._src.inference import uses as _uses
+from optax_muon._src.optimizers import adaptive
+from optax_muon._src.optimizers import muon as alias
+from optax_muon._src.transforms import scaling
+from optax_muon._src.views import labels as labels_lib
+from optax_muon._src.views import layout as layout_lib
 
 ROLES = ("matrix", "conv", "embedding", "head", "vector", "unknown", "unused")
 

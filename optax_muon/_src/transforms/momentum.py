@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_muon import _checks
-from optax_muon import quantize
-from optax_muon.quantize import QuantizedMomentum
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.kernels import quantize
+from optax_muon._src.kernels.quantize import QuantizedMomentum
 
 MOMENTUM_STYLES = ("ema", "sgd")
 

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_muon import _checks
-from optax_muon import layout as layout_lib
-from optax_muon.newton_schulz import newton_schulz
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.kernels.newton_schulz import newton_schulz
+from optax_muon._src.views import layout as layout_lib
 
 _SIGN_STEPS = 8
 _SIGN_SCHEDULE = "polar_express"

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_muon import _paths
+from optax_muon._src.base import paths as _paths
 
 MUON, ADAM, NONE = "muon", "adam", "none"
 LABELS = (MUON, ADAM, NONE)

@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_muon import _checks
-from optax_muon import _paths
-from optax_muon import alias
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import paths as _paths
+from optax_muon._src.optimizers import muon as alias
 
 
 class HyperballState(NamedTuple):

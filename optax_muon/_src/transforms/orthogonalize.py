@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_muon import _checks
-from optax_muon import _paths
-from optax_muon import coefficients as coefficients_lib
-from optax_muon import layout
-from optax_muon import newton_schulz as ns
-from optax_muon import sharding as sharding_lib
-from optax_muon import waves
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import paths as _paths
+from optax_muon._src.kernels import coefficients as coefficients_lib
+from optax_muon._src.kernels import newton_schulz as ns
+from optax_muon._src.parallel import tensor_parallel as sharding_lib
+from optax_muon._src.parallel import waves
+from optax_muon._src.views import layout
 
 METHODS = ("standard", "gram")
 

@@ -39,16 +39,17 @@ import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from optax_muon import _checks
-from optax_muon import _paths
-from optax_muon import layout
-from optax_muon import quantize
-from optax_muon import waves
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import paths as _paths
+from optax_muon._src.kernels import quantize
+from optax_muon._src.parallel import waves
+from optax_muon._src.views import layout
 
 MODES = ("blockwise", "duplicated", "distributed", "allgather")
 
@@ -66,8 +67,10 @@ class TensorParallel:
       allowed), a callable of the params (``flax.nnx.get_partition_spec``),
       or ``None`` to read each traced array's sharding (Explicit meshes).
     distribute_over: a data-parallel mesh axis to split the work over, or None.
+    MODES: the accepted modes (a class attribute).
   """
 
+  MODES: ClassVar[tuple[str, ...]] = MODES
   mesh: jax.sharding.Mesh
   axis: str = "model"
   mode: str = "duplicated"

@@ -22,19 +22,19 @@ from typing import Any
 import jax
 import optax
 
-from optax_muon import _checks
-from optax_muon import _paths
-from optax_muon import adaptive
-from optax_muon import alias
-from optax_muon import coefficients
-from optax_muon import layout as layout_lib
-from optax_muon import momentum
-from optax_muon import newton_schulz
-from optax_muon import offload
-from optax_muon import qk_clip as qk_clip_lib
-from optax_muon import scaling
-from optax_muon import sharding as sharding_lib
-from optax_muon import waves
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import paths as _paths
+from optax_muon._src.kernels import coefficients
+from optax_muon._src.kernels import newton_schulz
+from optax_muon._src.optimizers import adaptive
+from optax_muon._src.optimizers import muon as alias
+from optax_muon._src.parallel import offload
+from optax_muon._src.parallel import tensor_parallel as sharding_lib
+from optax_muon._src.parallel import waves
+from optax_muon._src.transforms import momentum
+from optax_muon._src.transforms import qk_clip as qk_clip_lib
+from optax_muon._src.transforms import scaling
+from optax_muon._src.views import layout as layout_lib
 
 OPTIMIZERS = ("adam", "muon", "adaptive_muon")
 TP_MODES = sharding_lib.MODES

@@ -14,7 +14,7 @@ It needs no code of its own beyond this: ``om.muon`` with those settings.
 
 import optax
 
-from optax_muon import alias
+from optax_muon._src.optimizers import muon as alias
 
 
 def scion(

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_muon import _checks
-from optax_muon import coefficients as coefficients_lib
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.kernels import coefficients as coefficients_lib
 
 PRECISIONS = ("highest", "high", "medium", "fp16", "bf16")
 # the dtype each product is rounded to ("medium", "fp16") or the iterate is
