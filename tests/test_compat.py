@@ -37,6 +37,7 @@ EXTRAS = {
   "method": "standard",
   "precision": "high",
   "memory_budget": None,
+  "state_memory_kind": None,
 }
 
 
