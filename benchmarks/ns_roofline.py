@@ -19,7 +19,7 @@ import jax  # noqa: E402
 
 import optax_muon as om  # noqa: E402
 
-newton_schulz = importlib.import_module("optax_muon._src.kernels.newton_schulz")
+gram = importlib.import_module("optax_muon._src.kernels.gram")
 from _timing import emit  # noqa: E402
 from _timing import interleaved  # noqa: E402
 from _timing import ns_flops  # noqa: E402
@@ -37,7 +37,7 @@ def gram_record(x, precision, steps) -> dict:
     for method in ("standard", "gram")
   }
   times = interleaved({k: (f, (x,)) for k, f in forms.items()}, rounds=5)
-  flop_ratio = newton_schulz.gram_flops(m, n, steps) / ns_flops(m, n, steps)
+  flop_ratio = gram.gram_flops(m, n, steps) / ns_flops(m, n, steps)
   return {
     "benchmark": "gram",
     "shape": [m, n],
@@ -120,7 +120,7 @@ def main():
           }
         )
       # quintic, Gram vs standard (the Gram form has no bf16 iterate)
-      if newton_schulz.gram_saves_flops(m, n) and precision != "bf16":
+      if gram.gram_saves_flops(m, n) and precision != "bf16":
         emit(gram_record(x, precision, steps))
 
 

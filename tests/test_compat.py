@@ -24,6 +24,7 @@ from optax.contrib import MuonDimensionNumbers as Dims
 import optax_muon as om
 from conftest import gaussian
 from optax_muon import compat
+from optax_muon._src.optimizers import optax_compat
 
 OPTAX_MUON = importlib.import_module("optax.contrib._muon")
 PUBLIC = (
@@ -42,7 +43,7 @@ EXTRAS = {
 
 
 def test_pinned_optax_is_the_mirrored_one():
-  assert optax.__version__ == compat.OPTAX_VERSION
+  assert optax.__version__ == optax_compat.OPTAX_VERSION
 
 
 @pytest.mark.parametrize("name", PUBLIC)
@@ -149,7 +150,7 @@ def _cases(draw):
     weight_decay=draw(st.sampled_from([0.0, 0.1])),
     nesterov=draw(st.booleans()),
     adaptive=draw(st.booleans()),
-    preconditioning=draw(st.sampled_from(compat.PRECONDITIONINGS)),
+    preconditioning=draw(st.sampled_from(optax_compat.PRECONDITIONINGS)),
     adam_b1=draw(st.sampled_from([0.8, 0.9])),
     adam_b2=draw(st.sampled_from([0.99, 0.999])),
     adam_eps_root=draw(st.sampled_from([0.0, 1e-8])),
@@ -169,7 +170,9 @@ def _cases(draw):
   if settings["preconditioning"] == "schatten" and complex_leaf:
     settings["preconditioning"] = "aol"  # optax's Schatten uses X Xᵀ there
   rows = np.asarray(
-    compat.NS_COEFFS_PRESETS.get(settings["ns_coeffs"], settings["ns_coeffs"])
+    optax_compat.NS_COEFFS_PRESETS.get(
+      settings["ns_coeffs"], settings["ns_coeffs"]
+    )
   )
   if rows.ndim == 2:
     settings["ns_steps"] = max(settings["ns_steps"], len(rows))

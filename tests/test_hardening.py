@@ -20,7 +20,7 @@ from conftest import gaussian
 from conftest import polar
 
 MDN = om.MuonDimensionNumbers
-ns_lib = importlib.import_module("optax_muon._src.kernels.newton_schulz")
+gram_lib = importlib.import_module("optax_muon._src.kernels.gram")
 
 
 # 1. complex parameters ------------------------------------------------------
@@ -403,7 +403,7 @@ def test_gram_runs_under_inject_hyperparams():
     steps=5, method="gram", dimension_numbers="leading"
   )
   with mock.patch.object(
-    ns_lib, "iterate_gram", wraps=ns_lib.iterate_gram
+    gram_lib, "iterate_gram", wraps=gram_lib.iterate_gram
   ) as spy:
     injected, _ = jax.jit(tx.update)(x, tx.init(x))
   assert spy.call_count == 1  # the Gram form ran, with `steps` traced

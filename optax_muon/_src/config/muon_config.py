@@ -25,7 +25,7 @@ import optax
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
 from optax_muon._src.kernels import coefficients
-from optax_muon._src.kernels import newton_schulz
+from optax_muon._src.kernels import matrices
 from optax_muon._src.optimizers import adaptive
 from optax_muon._src.optimizers import muon as alias
 from optax_muon._src.parallel import offload
@@ -142,7 +142,7 @@ class MuonConfig:
       "optimizer": OPTIMIZERS,
       "muon_scale_mode": scaling.SCALE_MODES,
       "muon_coefficient_type": tuple(coefficients.COEFFICIENT_SETS),
-      "muon_fp32_matmul_prec": newton_schulz.PRECISIONS,
+      "muon_fp32_matmul_prec": matrices.PRECISIONS,
       "muon_scalar_optimizer": alias.SCALAR_OPTIMIZERS,
       "muon_momentum_style": momentum.MOMENTUM_STYLES,
       "adaptive_muon_moment2_method": adaptive.MOMENT2_METHODS,

@@ -10,6 +10,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from optax_muon._src.kernels.matrices import matmul
+from optax_muon._src.kernels.matrices import to_wide
+
 
 def update_rms(updates: Any) -> Any:
   """Root mean square of each matrix of each leaf.
@@ -34,7 +37,7 @@ def _wide(x: jax.Array) -> jax.Array:
   x = jnp.asarray(x, jnp.float32)
   if x.ndim < 2:
     raise ValueError(f"expected an array of shape (..., m, n), got {x.shape}")
-  return jnp.swapaxes(x, -1, -2) if x.shape[-2] > x.shape[-1] else x
+  return to_wide(x)[0]
 
 
 def orthogonality_error(x: jax.Array) -> jax.Array:
@@ -51,9 +54,7 @@ def orthogonality_error(x: jax.Array) -> jax.Array:
   """
   w = _wide(x)
   k = w.shape[-2]
-  gram = jnp.matmul(
-    w, jnp.swapaxes(w, -1, -2), precision=jax.lax.Precision.HIGHEST
-  )
+  gram = matmul(w, jnp.swapaxes(w, -1, -2), "highest")
   error = gram - jnp.eye(k, dtype=gram.dtype)
   return jnp.sqrt(jnp.sum(jnp.square(error), axis=(-2, -1)) / k)
 

@@ -6,76 +6,14 @@ import numpy as np
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.kernels import coefficients as coefficients_lib
-
-PRECISIONS = ("highest", "high", "medium", "fp16", "bf16")
-# the dtype each product is rounded to ("medium", "fp16") or the iterate is
-# kept in between steps ("bf16")
-_ROUNDED = {"medium": jnp.bfloat16, "fp16": jnp.float16, "bf16": jnp.bfloat16}
-
-
-def working_dtype(dtype) -> jnp.dtype:
-  """The iteration's dtype: complex64 for complex input, else float32."""
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    return jnp.dtype(jnp.complex64)
-  return jnp.dtype(jnp.float32)
-
-
-def iterate_dtype(precision: str, dtype) -> jnp.dtype:
-  """The dtype the iterate ``X`` is kept in between steps: bfloat16 at
-  ``"bf16"``, else ``dtype`` (the working dtype)."""
-  return jnp.dtype(jnp.bfloat16 if precision == "bf16" else dtype)
-
-
-def check_precision_for(dtype, precision: str, where: str = "x") -> None:
-  """Raises ValueError for complex input at ``"medium"``, ``"fp16"`` or
-  ``"bf16"`` (no complex bf16 or fp16)."""
-  if precision in _ROUNDED and jnp.issubdtype(dtype, jnp.complexfloating):
-    raise ValueError(
-      f"precision={precision!r} rounds every product to "
-      f"{jnp.dtype(_ROUNDED[precision]).name}, which has no complex type, "
-      f"but {where} is {jnp.dtype(dtype).name}; accepted precisions for "
-      "complex matrices: ['highest', 'high']"
-    )
-
-
-def conj_transpose(x: jax.Array) -> jax.Array:
-  """``xᴴ`` over the last two axes (``xᵀ`` for real ``x``)."""
-  return jnp.conj(jnp.swapaxes(x, -1, -2))
-
-
-def matmul(a: jax.Array, b: jax.Array, precision: str) -> jax.Array:
-  """``a @ b`` over leading batch axes, at one of ``PRECISIONS``.
-
-  ``"highest"``: fp32 at ``Precision.HIGHEST``; ``"high"``: fp32 at the
-  backend's default (TF32 on GPUs); ``"medium"``: bf16 operands, fp32
-  accumulation, the product rounded to bf16 (Megatron-Core's default);
-  ``"fp16"``: the same in float16 (XLA's ``F16_F16_F32``): 3 more mantissa
-  bits than bf16, and no overflow since the iteration's matrices are
-  normalized in fp32 first (entries below ~10); ``"bf16"``: bf16 operands
-  and the fp32 accumulation as it is (``iterate`` rounds each step's sums
-  to bf16, as torch's ``addmm`` does).
-  """
-  if precision == "bf16":
-    return jnp.matmul(
-      a.astype(jnp.bfloat16),
-      b.astype(jnp.bfloat16),
-      preferred_element_type=jnp.float32,
-    )
-  if precision in _ROUNDED:
-    low = _ROUNDED[precision]
-    product = jnp.matmul(
-      a.astype(low), b.astype(low), preferred_element_type=jnp.float32
-    )
-    return product.astype(low).astype(jnp.float32)
-  level = (
-    jax.lax.Precision.HIGHEST
-    if precision == "highest" and jax.default_backend() != "cpu"
-    else jax.lax.Precision.DEFAULT
-  )
-  # XLA:CPU multiplies fp32 in full precision at every level; its DEFAULT path
-  # gave the same bits 5% faster (1024×4096, 2 cores), so "highest" uses it
-  # there.
-  return jnp.matmul(a, b, precision=level)
+from optax_muon._src.kernels.matrices import PRECISIONS
+from optax_muon._src.kernels.matrices import check_precision_for
+from optax_muon._src.kernels.matrices import conj_transpose
+from optax_muon._src.kernels.matrices import from_wide
+from optax_muon._src.kernels.matrices import iterate_dtype
+from optax_muon._src.kernels.matrices import matmul
+from optax_muon._src.kernels.matrices import to_wide
+from optax_muon._src.kernels.matrices import working_dtype
 
 
 def _all_reduce(reduce, x, axis_name):
@@ -241,7 +179,7 @@ def precondition_and_iterate(
   )
 
 
-def _is_cubic(table) -> bool:
+def is_cubic(table) -> bool:
   """Whether every ``c`` is 0 (a traced table, from a state, is not known)."""
   return not _checks.is_traced(table) and bool(
     np.all(np.asarray(table)[:, 2] == 0)
@@ -273,7 +211,7 @@ def iterate(
   Muon and Keller Jordan's reference iterate; the result is then bf16.
   """
   rows = jnp.asarray(table, jnp.float32)
-  cubic = _is_cubic(table)
+  cubic = is_cubic(table)
   kept = iterate_dtype(precision, x.dtype)
   keep = lambda y: y.astype(kept)
   # c A A: torch scales the product (addmm's alpha), which rounds once
@@ -299,99 +237,6 @@ def iterate(
   if rescale is None:
     return jax.lax.fori_loop(0, steps, step, x)
   return jax.lax.fori_loop(1, steps, step, step(0, x, rescale))
-
-
-GRAM_MIN_ASPECT = 2.5  # below it the Gram form saves no FLOPs
-
-
-def gram_saves_flops(m: int, n: int) -> bool:
-  """Whether the Gram form pays for an m×n matrix (``n/m ≥ 2.5``, m ≤ n)."""
-  return max(m, n) >= GRAM_MIN_ASPECT * min(m, n)
-
-
-def iterate_gram(
-  x: jax.Array,
-  table: np.ndarray,
-  mode: str,
-  steps,
-  precision: str,
-  restart: int = 1,
-) -> jax.Array:
-  """``iterate`` on the m×m Gram matrix: the same polynomial, fewer FLOPs.
-
-  Every iterate is ``X_k = Q_k X_0`` with ``Q_k`` a polynomial of
-  ``G = X_0 X_0ᴴ`` that commutes with it, so with ``R = X_k X_kᴴ``::
-
-    P = a I + b R + c R²;   Q ← P Q;   R ← P R P
-
-  and one ``Q X_0`` at the end: ``4m²n`` per segment plus at most ``8m³``
-  per step, instead of ``4m²n + 2m³`` per step. Rounding grows with the steps
-  taken on the Gram matrix, so the iteration restarts once, from
-  ``X = Q X_0``, after ``restart`` steps: after the first, whose large
-  coefficients (``cans``, ``polar_express``) amplify it most. At the same
-  FLOPs as a restart after step 2, that keeps every schedule within 1e-5 of
-  the float64 iteration up to 9 steps (after step 2: 2.4e-5; the standard
-  fp32 form: 1.7e-5). ``x`` is wide and normalized;
-  ``steps`` an int, or traced (``optax.inject_hyperparams``): then each
-  segment is one loop with a dynamic trip count.
-
-  References:
-    Zhang, Amsel, Chen, Dao, `Gram Newton–Schulz`, 2026
-  """
-  rows = jnp.asarray(table, jnp.float32)
-  cubic = _is_cubic(table)
-  eye = jnp.eye(x.shape[-2], dtype=x.dtype)
-
-  def polynomial(i, R):
-    a, b, c = rows[coefficients_lib.schedule_index(i, len(table), mode, jnp)]
-    return a * eye + b * R + (0.0 if cubic else c * matmul(R, R, precision))
-
-  def step(i, QR):
-    Q, R = QR
-    P = polynomial(i, R)
-    return matmul(P, Q, precision), matmul(
-      P, matmul(R, P, precision), precision
-    )
-
-  gram = lambda x: matmul(x, conj_transpose(x), precision)
-  if _checks.is_traced(steps):
-    # Q starts at I, so a segment of no steps leaves x as it is.
-    for start, stop in ((0, jnp.minimum(restart, steps)), (restart, steps)):
-      Q = jnp.broadcast_to(eye, x.shape[:-1] + x.shape[-2:-1])
-      Q, _ = jax.lax.fori_loop(
-        start, jnp.maximum(stop, start), step, (Q, gram(x))
-      )
-      x = matmul(Q, x, precision)
-    return x
-  # The first step of a segment starts from Q = I and its last needs no new
-  # R, so they are taken out of the loop: 2m³ + 4m³ fewer FLOPs a segment.
-  for start, stop in ((0, min(restart, steps)), (restart, steps)):
-    if stop <= start:
-      continue
-    R = gram(x)
-    Q = polynomial(start, R)
-    if stop - start > 1:
-      R = matmul(Q, matmul(R, Q, precision), precision)
-      Q, R = jax.lax.fori_loop(start + 1, stop - 1, step, (Q, R))
-      Q = matmul(polynomial(stop - 1, R), Q, precision)
-    x = matmul(Q, x, precision)
-  return x
-
-
-def gram_flops(
-  m: int, n: int, steps: int, restart: int = 1, cubic: bool = False
-) -> float:
-  """FLOPs of ``iterate_gram`` on an m×n matrix (m ≤ n), for comparisons."""
-  m, n = min(m, n), max(m, n)
-  flops = 0
-  for count in (min(restart, steps), steps - restart):
-    if count > 0:  # X Xᵀ, Q X; R² a step; P Q and P R P but at the ends
-      flops += (
-        4 * m * m * n
-        + (0 if cubic else 2 * m**3) * count
-        + 6 * m**3 * (count - 1)
-      )
-  return flops
 
 
 def newton_schulz(
@@ -444,13 +289,8 @@ def newton_schulz(
       f"newton_schulz needs x of shape (..., m, n), got {x.shape}"
     )
   check_precision_for(x.dtype, precision)
-  tall = x.shape[-2] > x.shape[-1]
-  X = x.astype(working_dtype(x.dtype))
-  if tall:
-    X = jnp.swapaxes(X, -1, -2)
+  X, tall = to_wide(x.astype(working_dtype(x.dtype)))
   X = iterate(
     normalize(X, eps, precision=precision), table, mode, steps, precision
   )
-  if tall:
-    X = jnp.swapaxes(X, -1, -2)
-  return X.astype(x.dtype)
+  return from_wide(X, tall).astype(x.dtype)

@@ -25,6 +25,9 @@ import jax.numpy as jnp
 import optax
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.kernels.matrices import from_wide
+from optax_muon._src.kernels.matrices import matmul
+from optax_muon._src.kernels.matrices import to_wide
 from optax_muon._src.kernels.newton_schulz import newton_schulz
 from optax_muon._src.views import layout as layout_lib
 
@@ -42,7 +45,7 @@ def _sign(x: jax.Array) -> jax.Array:
 
 
 def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
-  return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+  return matmul(a, b, "highest")
 
 
 def _wide(fn):
@@ -51,12 +54,8 @@ def _wide(fn):
 
   def wrapped(x, *args):
     x = jnp.asarray(x)
-    work = x.astype(jnp.float32)
-    tall = work.shape[-2] > work.shape[-1]
-    if tall:
-      work = jnp.swapaxes(work, -1, -2)
-    out = fn(work, *args)
-    return (jnp.swapaxes(out, -1, -2) if tall else out).astype(x.dtype)
+    work, tall = to_wide(x.astype(jnp.float32))
+    return from_wide(fn(work, *args), tall).astype(x.dtype)
 
   return wrapped
 

@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.kernels.matrices import frobenius
 from optax_muon._src.optimizers import muon as alias
 from optax_muon._src.transforms import scaling
 
@@ -63,11 +64,6 @@ def moment2_shape(method: str, count: int, fan_in: int, fan_out: int):
   if method == "normuon":
     return (count, 1, fan_out) if fan_out >= fan_in else (count, fan_in, 1)
   return (count, 1, 1)
-
-
-def _frobenius(x: jax.Array) -> jax.Array:
-  x = x.astype(jnp.float32)
-  return jnp.sqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True))
 
 
 def scale_by_moment2(
@@ -136,10 +132,10 @@ def scale_by_moment2(
       )
       normalized = o * jax.lax.rsqrt(jnp.maximum(v, eps))
       # NorMuon keeps the polar factor's Frobenius norm (EO 0.3.0 does)
-      ratio = _frobenius(o) / jnp.maximum(_frobenius(normalized), _TINY)
+      ratio = frobenius(o) / jnp.maximum(frobenius(normalized), _TINY)
       return normalized * ratio, v
-    v = beta2 * v + (1 - beta2) * jnp.square(_frobenius(g))
-    return o * (_frobenius(u) / (jnp.sqrt(v) + eps)), v
+    v = beta2 * v + (1 - beta2) * jnp.square(frobenius(g))
+    return o * (frobenius(u) / (jnp.sqrt(v) + eps)), v
 
   def update_fn(
     updates,

@@ -26,6 +26,7 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
+from optax_muon._src.kernels.matrices import frobenius
 from optax_muon._src.optimizers import muon as alias
 
 
@@ -34,7 +35,7 @@ class HyperballState(NamedTuple):
 
 
 def _norm(x: jax.Array) -> jax.Array:
-  return jnp.sqrt(jnp.sum(jnp.square(x)))
+  return frobenius(x, axis=None, keepdims=False)
 
 
 def hyperball(

@@ -12,6 +12,7 @@ from optax.contrib import MuonDimensionNumbers
 from optax.contrib import MuonState
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import coefficients as coefficients_lib
 from optax_muon._src.kernels.newton_schulz import PRECONDITIONINGS
 from optax_muon._src.parallel import offload
@@ -22,7 +23,6 @@ from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.momentum import BiasCorrectedMomentumState
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.transforms.momentum import momentum as momentum_transform
-from optax_muon._src.transforms.orthogonalize import _orthogonalize_grouped
 from optax_muon._src.transforms.orthogonalize import (
   orthogonalize as orthogonalize_transform,
 )
@@ -142,8 +142,7 @@ def orthogonalize_via_newton_schulz(
   rows = _coefficient_table(ns_coeffs)
   steps = ns_steps if rows.ndim == 1 else rows.shape[0]
   view = layout.matrix_view(x.shape, dimension_numbers if x.ndim != 2 else None)
-  out = _orthogonalize_grouped(
-    view.to_matrices(x),
+  solver = batched.Solver(
     rows.reshape(-1, 3),
     "cycle",
     steps,
@@ -153,6 +152,7 @@ def orthogonalize_via_newton_schulz(
     add_eps=True,
     method=method,
   )
+  out = batched.orthogonalize_matrices(view.to_matrices(x), solver)
   return view.from_matrices(out)
 
 

@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
+from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import quantize
 from optax_muon._src.parallel import waves
 from optax_muon._src.views import layout
@@ -329,8 +330,7 @@ def orthogonalize_sharded(
   views,
   tp: TensorParallel,
   specs,
-  orthogonalize_matrices,
-  distributed_ns,
+  solver: batched.Solver,
   memory_budget: int | None = None,
 ):
   """Orthogonalizes ``leaves`` (global arrays) under ``tp``; see the module.
@@ -344,10 +344,7 @@ def orthogonalize_sharded(
     views: their ``MatrixView``s (global shapes).
     tp: the ``TensorParallel`` settings.
     specs: ``tp.leaf_specs`` of the leaves.
-    orthogonalize_matrices: ``(matrices, distribute_axis) -> matrices``, the
-      grouped local Newton–Schulz.
-    distributed_ns: ``(matrices, axis_name) -> matrices``, Newton–Schulz of
-      matrices whose columns are split over ``axis_name``.
+    solver: how each matrix is orthogonalized.
     memory_budget: bytes per device (``None``: the default budget).
 
   Returns:
@@ -356,9 +353,13 @@ def orthogonalize_sharded(
   budget = waves.resolve(memory_budget)
   in_specs = tuple(PartitionSpec(*[a or None for a in spec]) for spec in specs)
   solvers = {
-    "local": lambda ms: orthogonalize_matrices(ms, None),
-    "replicated": lambda ms: orthogonalize_matrices(ms, tp.distribute_over),
-    "distributed": lambda ms: distributed_ns(ms, tp.axis),
+    "local": lambda ms: batched.orthogonalize_matrices(ms, solver),
+    "replicated": lambda ms: batched.orthogonalize_matrices(
+      ms, solver, tp.distribute_over
+    ),
+    "distributed": lambda ms: batched.orthogonalize_split_columns(
+      ms, solver, tp.axis
+    ),
   }
   local_solver = lambda replicated: (
     "replicated" if replicated and tp.distribute_over else "local"

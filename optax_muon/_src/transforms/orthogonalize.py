@@ -1,9 +1,9 @@
 """The orthogonalize transform: Newton–Schulz on every matrix of the updates.
 
-Leaves are viewed as batches of matrices (``layout``), every matrix is turned
-to its wide orientation, matrices of the same shape are stacked (up to a size
-cap, see ``STACK_BYTES``) and orthogonalized by one batched Newton–Schulz loop
-per stack, then put back.
+Leaves are viewed as batches of matrices (``views.layout``), the matrices run
+in waves within the memory budget (``parallel.waves``), same-shape ones
+batched (``kernels.batched``), or over a mesh (``parallel.tensor_parallel``),
+then put back.
 """
 
 import dataclasses
@@ -16,141 +16,13 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
+from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import coefficients as coefficients_lib
+from optax_muon._src.kernels import matrices
 from optax_muon._src.kernels import newton_schulz as ns
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel import waves
 from optax_muon._src.views import layout
-
-METHODS = ("standard", "gram")
-
-
-# Stacking same-shape matrices pays for small ones (one batched matmul instead
-# of many small ones) and costs memory: a stack's loop keeps two copies of the
-# whole stack live. So a stack holds at most as many bytes as the largest
-# matrix of the update (what doing the matrices one by one needs anyway),
-# but at least MIN_STACK_BYTES, and never more than STACK_BYTES, past which a
-# stack only adds memory traffic (24 stacked 1024×4096 leaves: 1.11× optax's
-# time). On the example GPT this keeps the peak temporary bytes under
-# optax.contrib.muon's (benchmarks/memory.py).
-STACK_BYTES = 1 << 24
-MIN_STACK_BYTES = 1 << 18
-
-
-def _chunks(groups, sizes, ranks: int = 1):
-  """Each group split into stacks of at most the cap above (one matrix at
-  least); ``sizes`` are the members' fp32 bytes. A stack split over ``ranks``
-  holds ``ranks`` times as much, as each rank keeps its share."""
-  cap = ranks * min(STACK_BYTES, max(sizes + [MIN_STACK_BYTES]))
-  for members in groups:
-    chunk: list[int] = []
-    size = 0
-    for i in members:
-      if chunk and size + sizes[i] > cap:
-        yield chunk
-        chunk, size = [], 0
-      chunk.append(i)
-      size += sizes[i]
-    yield chunk
-
-
-def _wide(matrix: jax.Array) -> jax.Array:
-  """The matrix in the iteration's dtype (fp32, or complex64), turned to
-  m ≤ n."""
-  matrix = matrix.astype(ns.working_dtype(matrix.dtype))
-  tall = matrix.shape[-2] > matrix.shape[-1]
-  return jnp.swapaxes(matrix, -1, -2) if tall else matrix
-
-
-def _orthogonalize_grouped(
-  matrices: list[jax.Array],
-  table: np.ndarray,
-  mode: str,
-  steps,
-  precision: str,
-  eps,
-  preconditioning: str = "frobenius",
-  add_eps: bool = False,
-  method: str = "standard",
-  distribute_axis: str | None = None,
-) -> list[jax.Array]:
-  """NS of each ``(batch, m, n)`` array, one batched loop per stack.
-
-  With ``distribute_axis`` (inside ``shard_map``), each rank of that mesh axis
-  orthogonalizes 1/N of every group and the results are all-gathered.
-  """
-  groups: dict[tuple, list[int]] = {}
-  for index, matrix in enumerate(matrices):
-    key = (tuple(sorted(matrix.shape[-2:])), ns.working_dtype(matrix.dtype))
-    groups.setdefault(key, []).append(index)
-  sizes = [matrix.size * 4 for matrix in matrices]
-  results: list[Any] = [None] * len(matrices)
-  ranks = 1 if distribute_axis is None else jax.lax.axis_size(distribute_axis)
-  for members in _chunks(groups.values(), sizes, ranks):
-    inputs = [matrices[i] for i in members]
-    stack = jnp.concatenate([_wide(x) for x in inputs], axis=0)
-    count = stack.shape[0]
-    if distribute_axis is not None:
-      padded = -(-count // ranks) * ranks
-      stack = jnp.pad(stack, ((0, padded - count), (0, 0), (0, 0)))
-      stack = jax.lax.dynamic_slice_in_dim(
-        stack,
-        jax.lax.axis_index(distribute_axis) * (padded // ranks),
-        padded // ranks,
-      )
-    m, n = stack.shape[-2:]
-    if method == "gram" and ns.gram_saves_flops(m, n):
-      stack = ns.iterate_gram(
-        ns.precondition(
-          stack, preconditioning, eps, precision, add_eps=add_eps
-        ),
-        table,
-        mode,
-        steps,
-        precision,
-      )
-    else:
-      stack = ns.precondition_and_iterate(
-        stack, table, mode, steps, precision, preconditioning, eps, add_eps
-      )
-    if distribute_axis is not None:
-      stack = jax.lax.all_gather(stack, distribute_axis, tiled=True)[:count]
-    offsets = np.cumsum([0] + [x.shape[0] for x in inputs])
-    for i, start, stop in zip(members, offsets[:-1], offsets[1:]):
-      out = stack[start:stop]
-      if matrices[i].shape[-2] > matrices[i].shape[-1]:
-        out = jnp.swapaxes(out, -1, -2)
-      results[i] = out.astype(matrices[i].dtype)
-  return results
-
-
-def _distributed_newton_schulz(
-  matrices,
-  axis_name,
-  table,
-  mode,
-  steps,
-  precision,
-  eps,
-  preconditioning="frobenius",
-  add_eps=False,
-):
-  """NS of matrices whose columns are split over ``axis_name`` (shard_map)."""
-  out = []
-  for matrix in matrices:
-    x = ns.precondition_and_iterate(
-      matrix.astype(ns.working_dtype(matrix.dtype)),
-      table,
-      mode,
-      steps,
-      precision,
-      preconditioning,
-      eps,
-      add_eps,
-      axis_name,
-    )
-    out.append(x.astype(matrix.dtype))
-  return out
 
 
 def orthogonalize(
@@ -215,8 +87,8 @@ def orthogonalize(
   """
   table, mode = coefficients_lib.resolve_coefficients(coefficients)
   _checks.check_int("steps", steps, minimum=1)
-  _checks.check_choice("precision", precision, ns.PRECISIONS)
-  _checks.check_choice("method", method, METHODS)
+  _checks.check_choice("precision", precision, matrices.PRECISIONS)
+  _checks.check_choice("method", method, batched.METHODS)
   _checks.check_range("eps", eps, 0.0, np.inf)
   _checks.check_choice("preconditioning", preconditioning, ns.PRECONDITIONINGS)
   if not isinstance(add_eps, bool):
@@ -245,16 +117,9 @@ def orthogonalize(
   resolve_views = layout.view_resolver(
     dimension_numbers, split_qkv, split_gate_up
   )
-  settings = dict(
-    table=table,
-    mode=mode,
-    steps=steps,
-    precision=precision,
-    eps=eps,
-    preconditioning=preconditioning,
-    add_eps=add_eps,
+  solver = batched.Solver(
+    table, mode, steps, precision, eps, preconditioning, add_eps, method
   )
-  grouped = dict(settings, method=method)
 
   def check_dtypes(views):
     for path, leaf, _ in views:
@@ -265,7 +130,7 @@ def orthogonalize(
           "to orthogonalize; label it 'none' (the default labels do) or "
           "leave it out of the params"
         )
-      ns.check_precision_for(
+      matrices.check_precision_for(
         jnp.result_type(leaf),
         precision,
         f"leaf {_paths.path_string(path) or '<root>'}",
@@ -289,10 +154,7 @@ def orthogonalize(
         [view for _, _, view in views],
         sharding,
         sharding.leaf_specs(updates),
-        lambda ms, axis: _orthogonalize_grouped(
-          ms, distribute_axis=axis, **grouped
-        ),
-        lambda ms, axis: _distributed_newton_schulz(ms, axis, **settings),
+        solver,
         budget,
       )
       return jax.tree.unflatten(jax.tree.structure(updates), leaves), state
@@ -307,7 +169,9 @@ def orthogonalize(
       for i, (_, leaf, view) in enumerate(views)
     ]
     waves.run(
-      tasks, budget, {"local": lambda ms: _orthogonalize_grouped(ms, **grouped)}
+      tasks,
+      budget,
+      {"local": lambda ms: batched.orthogonalize_matrices(ms, solver)},
     )
     treedef = jax.tree.structure(updates)
     return jax.tree.unflatten(treedef, new_leaves), state
