@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_muon as om  # noqa: E402
-from optax_muon._src.parallel.tensor_parallel import shares_out  # noqa: E402
+from optax_muon._src.parallel.allgather import shares_out  # noqa: E402
 
 # (d_model, d_ffn, query heads, kv heads, head dim, layers)
 DECODERS = {

@@ -6,8 +6,8 @@ from optax.contrib import MuonDimensionNumbers
 
 from optax_muon import compat
 from optax_muon._src.config.muon_config import MuonConfig
+from optax_muon._src.inference.describe import describe
 from optax_muon._src.inference.infer import Layout
-from optax_muon._src.inference.infer import describe
 from optax_muon._src.inference.infer import infer_layout
 from optax_muon._src.kernels.coefficients import COEFFICIENT_SETS
 from optax_muon._src.kernels.coefficients import coefficient_schedule
@@ -16,14 +16,11 @@ from optax_muon._src.kernels.diagnostics import singular_value_spread
 from optax_muon._src.kernels.diagnostics import update_rms
 from optax_muon._src.kernels.newton_schulz import newton_schulz
 from optax_muon._src.kernels.quantize import QuantizedMomentum
-from optax_muon._src.kernels.spectral import add_spectral_clipped_weight_decay
 from optax_muon._src.kernels.spectral import spectral_clip
 from optax_muon._src.kernels.spectral import spectral_clipped_weight_decay
 from optax_muon._src.kernels.spectral import spectral_hardcap
 from optax_muon._src.optimizers.adaptive import adaptive_muon
 from optax_muon._src.optimizers.adaptive import scale_by_adaptive_muon
-from optax_muon._src.optimizers.adaptive import scale_by_moment2
-from optax_muon._src.optimizers.hyperball import hyperball
 from optax_muon._src.optimizers.hyperball import muon_hyperball
 from optax_muon._src.optimizers.muon import muon
 from optax_muon._src.optimizers.muon import scale_by_muon
@@ -31,7 +28,9 @@ from optax_muon._src.optimizers.polargrad import polargrad
 from optax_muon._src.optimizers.polargrad import scale_by_polargrad
 from optax_muon._src.optimizers.scion import scion
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
-from optax_muon._src.parallel.tensor_parallel import zero1_sharding
+from optax_muon._src.parallel.zero1 import zero1_sharding
+from optax_muon._src.transforms.hyperball import hyperball
+from optax_muon._src.transforms.moment2 import scale_by_moment2
 from optax_muon._src.transforms.momentum import momentum
 from optax_muon._src.transforms.orthogonalize import orthogonalize
 from optax_muon._src.transforms.qk_clip import clip_mla_qk
@@ -40,6 +39,9 @@ from optax_muon._src.transforms.qk_clip import qk_clip
 from optax_muon._src.transforms.scaling import adamw_rms_match_factor
 from optax_muon._src.transforms.scaling import scale_by_shape
 from optax_muon._src.transforms.scaling import scale_factor
+from optax_muon._src.transforms.spectral_decay import (
+  add_spectral_clipped_weight_decay,
+)
 from optax_muon._src.views.labels import default_labels
 from optax_muon._src.views.layout import SplitGateUp
 from optax_muon._src.views.layout import SplitQKV

@@ -136,9 +136,9 @@ def test_match_adamw_update_rms_conflicts_with_any_explicit_extra_factor():
 
 
 def test_resolved_factor_is_logged(caplog):
-  from optax_muon._src.optimizers import muon as alias
+  from optax_muon._src.transforms import scaling
 
-  alias._logged_factors.clear()
+  scaling._logged_factors.clear()
   caplog.set_level("INFO", logger="optax_muon")
   om.MuonConfig(optimizer="muon", muon_match_adamw_update_rms=True).build(1e-3)
   assert any("0.229416" in r.getMessage() for r in caplog.records)

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
 from conftest import ROOT
-from optax_muon._src.parallel.tensor_parallel import shares_out
+from optax_muon._src.parallel.allgather import shares_out
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _hlo  # noqa: E402  (the benchmarks' HLO byte count)

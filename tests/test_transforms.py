@@ -223,9 +223,9 @@ def test_match_adamw_update_rms_uses_beta1_factor():
 
 def test_match_adamw_update_rms_is_logged_once(caplog):
   caplog.set_level("INFO", logger="optax_muon")
-  from optax_muon._src.optimizers import muon as alias
+  from optax_muon._src.transforms import scaling
 
-  alias._logged_factors.clear()
+  scaling._logged_factors.clear()
   for _ in range(3):
     om.muon(
       0.01,

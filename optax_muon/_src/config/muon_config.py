@@ -28,9 +28,12 @@ from optax_muon._src.kernels import coefficients
 from optax_muon._src.kernels import matrices
 from optax_muon._src.optimizers import adaptive
 from optax_muon._src.optimizers import muon as alias
+from optax_muon._src.optimizers.route import SCALAR_OPTIMIZERS
+from optax_muon._src.optimizers.route import matrices_only
 from optax_muon._src.parallel import offload
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel import waves
+from optax_muon._src.transforms import moment2
 from optax_muon._src.transforms import momentum
 from optax_muon._src.transforms import qk_clip as qk_clip_lib
 from optax_muon._src.transforms import scaling
@@ -143,9 +146,9 @@ class MuonConfig:
       "muon_scale_mode": scaling.SCALE_MODES,
       "muon_coefficient_type": tuple(coefficients.COEFFICIENT_SETS),
       "muon_fp32_matmul_prec": matrices.PRECISIONS,
-      "muon_scalar_optimizer": alias.SCALAR_OPTIMIZERS,
+      "muon_scalar_optimizer": SCALAR_OPTIMIZERS,
       "muon_momentum_style": momentum.MOMENTUM_STYLES,
-      "adaptive_muon_moment2_method": adaptive.MOMENT2_METHODS,
+      "adaptive_muon_moment2_method": moment2.MOMENT2_METHODS,
     }
     for name, accepted in choices.items():
       _checks.check_choice(name, getattr(self, name), accepted)
@@ -326,7 +329,7 @@ class MuonConfig:
   ) -> optax.GradientTransformation:
     lr = self.lr if learning_rate is None else learning_rate
     b1, b2 = self.betas
-    decay_mask = alias.matrices_only
+    decay_mask = matrices_only
     clip = (
       [optax.clip_by_global_norm(self.clip_grad)] if self.clip_grad > 0 else []
     )

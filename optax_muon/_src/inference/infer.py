@@ -24,7 +24,6 @@ default view, with role ``unknown`` and the operation named in its reason.
 """
 
 import dataclasses
-import functools
 import math
 import re
 from collections.abc import Set as AbstractSet
@@ -32,15 +31,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from optax.contrib import MuonDimensionNumbers
 
-from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
 from optax_muon._src.inference import uses as _uses
-from optax_muon._src.optimizers import adaptive
-from optax_muon._src.optimizers import muon as alias
-from optax_muon._src.transforms import scaling
+from optax_muon._src.inference.table import render
 from optax_muon._src.views import labels as labels_lib
 from optax_muon._src.views import layout as layout_lib
 
@@ -292,7 +287,7 @@ def _infer(fn, params, args, kwargs, output, frozen_args: int = 0) -> Layout:
     dimension_numbers=unflat([r[4] for r in rows]),
     roles=unflat([r[2] for r in rows]),
     reasons=unflat([r[5] for r in rows]),
-    table=_table(
+    table=render(
       [
         (
           path,
@@ -405,137 +400,4 @@ def _is_nnx_module(value) -> bool:
   return any(
     c.__module__.startswith("flax.nnx") and c.__name__ == "Module"
     for c in type(value).__mro__
-  )
-
-
-def _table(rows, scale_of=scaling.scale_factor, moment2_of=None) -> str:
-  """One aligned line per leaf: path, shape, role, optimizer, matrices,
-  scale (``scale_of(fan_out, fan_in)``, spectral by default), with
-  ``moment2_of`` the second moment's shape (``moment2_of(count, fan_in,
-  fan_out)``), and the rule that decided when rows carry one."""
-  header = ["path", "shape", "role", "optimizer", "matrices", "scale"]
-  header += ["second moment"] if moment2_of is not None else []
-  lines = []
-  for path, leaf, role, label, view, *reason in rows:
-    shape = "×".join(map(str, jnp.shape(leaf))) or "scalar"
-    moment2 = []
-    if view is None:
-      matrices, scale = "—", "—"
-      moment2 = ["—"] if moment2_of is not None else []
-    else:
-      count = math.prod(view.batch_shape)
-      pieces = view.matrix_shapes
-      matrices = " + ".join(
-        f"{count} × {fan_in} × {fan_out}" for fan_in, fan_out in pieces
-      )
-      scale = " + ".join(
-        f"{scale_of(fan_out, fan_in):.3g}" for fan_in, fan_out in pieces
-      )
-      if moment2_of is not None:
-        moment2 = [
-          " + ".join(
-            " × ".join(map(str, moment2_of(count, fan_in, fan_out)))
-            for fan_in, fan_out in pieces
-          )
-        ]
-    lines.append(
-      (_paths.path_string(path), shape, role, label, matrices, scale)
-      + (*moment2, *reason)
-    )
-  lines.insert(0, tuple(header + ["rule"])[: len(lines[0]) if lines else 6])
-  widths = [max(len(line[c]) for line in lines) for c in range(len(lines[0]))]
-  return "\n".join(
-    "  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
-    for line in lines
-  )
-
-
-def describe(
-  params,
-  *,
-  labels=None,
-  dimension_numbers=None,
-  split_qkv=None,
-  split_gate_up=None,
-  layout=None,
-  scale_mode: str = "spectral",
-  match_adamw_update_rms: bool = False,
-  extra_scale_factor=None,
-  adam_b1=0.9,
-  moment2_method: str | None = None,
-) -> str:
-  """The routing table for the given ``om.muon`` settings (defaults
-  included): what each leaf gets before training starts.
-
-  ``labels``, ``dimension_numbers``, ``split_qkv``, ``split_gate_up``,
-  ``layout``, ``scale_mode``, ``match_adamw_update_rms``,
-  ``extra_scale_factor`` and ``adam_b1`` are as in ``om.muon``;
-  ``moment2_method`` as in ``om.adaptive_muon``.
-
-  Args:
-    params: the parameter tree (arrays, shape structs or ``nnx.State``).
-
-  Returns:
-    The table, as a string with columns path, shape, role, optimizer,
-    matrices as ``count × fan_in × fan_out`` (one term per ``split_qkv``
-    piece), the scale each matrix's update gets (shape scale × extra
-    factor), and with ``moment2_method`` the shape of the second moment
-    ``om.adaptive_muon`` keeps for it, in the same ``count × fan_in ×
-    fan_out`` terms (NorMuon's ``1`` is the axis it averages over).
-
-  Raises:
-    ValueError: what ``om.muon`` would raise at ``init`` for these settings
-      (leaves of 3+ axes without dimension numbers, unknown paths, ...).
-  """
-  labels, dimension_numbers = alias.from_layout(
-    layout, labels, dimension_numbers
-  )
-  _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
-  if moment2_method is not None:
-    _checks.check_choice(
-      "moment2_method", moment2_method, adaptive.MOMENT2_METHODS
-    )
-  extra = alias.resolve_extra_scale_factor(
-    extra_scale_factor, match_adamw_update_rms, adam_b1
-  )
-  label_tree = labels_lib.label_fn(labels)(params)
-  leaves, _ = _paths.leaves_with_paths(params)
-  label_of = dict(_paths.leaves_with_paths(label_tree)[0])
-  # only the Muon leaves have a view; the others are masked as optax does
-  muon_only = jax.tree.map(
-    lambda leaf, label: (
-      leaf if label == labels_lib.MUON else optax.MaskedNode()
-    ),
-    params,
-    label_tree,
-  )
-  view_of = {
-    path: view
-    for path, _, view in layout_lib.view_resolver(
-      dimension_numbers, split_qkv, split_gate_up
-    )(muon_only)
-  }
-  # with a layout, its roles and reasons: the same table as print(layout)
-  role_of, reason_of = {}, {}
-  if layout is not None:
-    role_of = dict(_paths.leaves_with_paths(layout.roles)[0])
-    reason_of = dict(_paths.leaves_with_paths(layout.reasons)[0])
-  rows = []
-  for path, leaf in leaves:
-    view = view_of.get(path)
-    role = (
-      ("split qkv" if len(view.widths) == 3 else "split gate/up")
-      if view is not None and view.widths
-      else role_of.get(path) or ("matrix" if view is not None else "—")
-    )
-    reason = [reason_of.get(path, "—")] if layout is not None else []
-    rows.append((path, leaf, role, label_of[path], view, *reason))
-  return _table(
-    rows,
-    lambda fan_out, fan_in: (
-      float(extra) * (scaling.scale_factor(fan_out, fan_in, scale_mode))
-    ),
-    moment2_of=None
-    if moment2_method is None
-    else functools.partial(adaptive.moment2_shape, moment2_method),
   )

@@ -22,20 +22,18 @@ References:
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.kernels.matrices import from_wide
 from optax_muon._src.kernels.matrices import matmul
 from optax_muon._src.kernels.matrices import to_wide
 from optax_muon._src.kernels.newton_schulz import newton_schulz
-from optax_muon._src.views import layout as layout_lib
 
 _SIGN_STEPS = 8
 _SIGN_SCHEDULE = "polar_express"
 
 
-def _check_share(c) -> None:
+def check_share(c) -> None:
   if not _checks.is_traced(c) and not 0.0 <= float(c) <= 1.0:
     raise ValueError(f"c must be in [0, 1], got {c!r}")
 
@@ -126,46 +124,5 @@ def spectral_hardcap(x: jax.Array, beta=1.0) -> jax.Array:
 def spectral_clipped_weight_decay(x: jax.Array, beta=1.0, c=0.5) -> jax.Array:
   """``(1 − c) x + c · spectral_hardcap(x, beta)``: EO's spectral version of
   decoupled weight decay (only singular values above ``beta`` shrink)."""
-  _check_share(c)
+  check_share(c)
   return (1 - c) * x + c * spectral_hardcap(x, beta)
-
-
-def add_spectral_clipped_weight_decay(
-  beta=1.0, c=0.5, *, dimension_numbers=None
-) -> optax.GradientTransformation:
-  """Adds ``spectral_clipped_weight_decay(p) − p`` to each update, after the
-  learning rate (the parameter moves as EO's decay moves it).
-
-  Args:
-    beta: the singular-value cap.
-    c: the share of the way to the capped matrix, in ``[0, 1]``.
-    dimension_numbers: the matrix views, as in ``scale_by_muon`` (a leaf of
-      3+ axes needs them).
-
-  Returns:
-    An ``optax.GradientTransformation`` that needs ``params``.
-  """
-  _checks.check_positive("beta", beta)
-  _check_share(c)
-  resolve_views = layout_lib.view_resolver(dimension_numbers)
-
-  def init_fn(params):
-    resolve_views(params)  # bad views raise here
-    return optax.EmptyState()
-
-  def update_fn(updates, state, params=None):
-    if params is None:
-      raise ValueError("add_spectral_clipped_weight_decay needs the params")
-    decayed = []
-    for _, leaf, view in resolve_views(params):
-      (matrices,) = view.to_matrices(leaf)
-      decayed.append(
-        view.from_matrices([spectral_clipped_weight_decay(matrices, beta, c)])
-        - leaf
-      )
-    decayed = jax.tree.unflatten(jax.tree.structure(params), decayed)
-    return jax.tree.map(
-      lambda u, d: u + d.astype(u.dtype), updates, decayed
-    ), state
-
-  return optax.GradientTransformation(init_fn, update_fn)

@@ -1,61 +1,14 @@
 """The ready-made chains: ``scale_by_muon`` and ``muon``."""
 
-import logging
-
-import jax
-import numpy as np
 import optax
 
 from optax_muon._src.base import checks as _checks
-from optax_muon._src.base import paths as _paths
-from optax_muon._src.parallel import offload
+from optax_muon._src.optimizers.route import route
 from optax_muon._src.transforms import momentum as momentum_lib
 from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
 from optax_muon._src.transforms import scaling
-from optax_muon._src.views import labels as labels_lib
-
-SCALAR_OPTIMIZERS = ("adam", "lion")
-_logger = logging.getLogger("optax_muon")
-_logged_factors: set[float] = set()
-
-
-def resolve_extra_scale_factor(
-  extra_scale_factor, match_adamw_update_rms: bool, adamw_beta1
-):
-  """The factor applied after the shape scale (see ``scale_by_muon``).
-
-  Raises:
-    ValueError: both ``match_adamw_update_rms`` and ``extra_scale_factor`` set.
-  """
-  if not isinstance(match_adamw_update_rms, bool):
-    raise TypeError(
-      f"match_adamw_update_rms must be a bool, got {match_adamw_update_rms!r}"
-    )
-  if match_adamw_update_rms:
-    if extra_scale_factor is not None:
-      raise ValueError(
-        "match_adamw_update_rms=True derives extra_scale_factor from AdamW's "
-        f"beta1, but extra_scale_factor={extra_scale_factor!r} was also set; "
-        "set exactly one of them"
-      )
-    factor = scaling.adamw_rms_match_factor(adamw_beta1)
-    if (
-      not _checks.is_traced(factor)
-      and factor not in _logged_factors
-      and (jax.process_index() == 0)
-    ):
-      _logged_factors.add(float(factor))
-      _logger.info(
-        "match_adamw_update_rms: extra_scale_factor resolved to "
-        "%.6f from adamw beta1=%s",
-        factor,
-        float(np.asarray(adamw_beta1)),
-      )
-    return factor
-  if extra_scale_factor is None:
-    return 1.0
-  _checks.check_positive("extra_scale_factor", extra_scale_factor)
-  return extra_scale_factor
+from optax_muon._src.transforms.scaling import resolve_extra_scale_factor
+from optax_muon._src.views.layout import from_layout
 
 
 def scale_by_muon(
@@ -164,89 +117,6 @@ def scale_by_muon(
     scaling.scale_by_shape(scale_mode, **layout_args),
     optax.scale(extra),
   )
-
-
-def from_layout(layout, labels, dimension_numbers):
-  """``(labels, dimension_numbers)`` from ``layout=``, or as given.
-
-  Raises:
-    ValueError: ``layout`` together with ``labels`` or ``dimension_numbers``.
-    TypeError: a ``layout`` that is not an ``om.Layout``.
-  """
-  if layout is None:
-    return labels, dimension_numbers
-  given = [
-    name
-    for name, value in (
-      ("labels", labels),
-      ("dimension_numbers", dimension_numbers),
-    )
-    if value is not None
-  ]
-  if given:
-    raise ValueError(
-      f"layout= gives the labels and dimension numbers, but {given[0]}= was "
-      "also set; pass layout= alone, or labels=/dimension_numbers= without "
-      "layout="
-    )
-  if not (hasattr(layout, "labels") and hasattr(layout, "dimension_numbers")):
-    raise TypeError(
-      f"layout must be an om.Layout (from om.infer_layout), got "
-      f"{type(layout).__name__}"
-    )
-  shapes = getattr(layout, "shapes", None)
-  return (
-    _paths.FromLayout(layout.labels, shapes),
-    _paths.FromLayout(layout.dimension_numbers, shapes),
-  )
-
-
-def matrices_only(params):
-  """The default weight-decay mask of the AdamW group: leaves of 2+ axes
-  (embeddings, heads) decay; norm scales, biases and other vectors do not."""
-  return jax.tree.map(lambda x: jax.numpy.ndim(x) >= 2, params)
-
-
-def in_params_dtype(
-  inner: optax.GradientTransformation,
-) -> optax.GradientTransformation:
-  """``inner`` with each update leaf cast to its parameter's dtype (Muon's
-  float32 momentum would otherwise give float32 updates to bfloat16
-  params); the state is ``inner``'s own, so checkpoints are unchanged."""
-
-  def update_fn(updates, state, params=None):
-    updates, state = inner.update(updates, state, params)
-    if params is not None:
-      updates = jax.tree.map(
-        lambda u, p: u.astype(jax.numpy.result_type(p)), updates, params
-      )
-    return updates, state
-
-  return optax.GradientTransformation(inner.init, update_fn)
-
-
-def _mask_by_path(name, mask):
-  """A weight-decay mask tree made readable on the partitioned (masked) tree."""
-  if mask is None or callable(mask):
-    return mask
-  lookup = _paths.PathLookup(name, mask, (bool, np.bool_), default=False)
-
-  def resolved(params):
-    of = lookup.resolve(params)
-    leaves, treedef = _paths.leaves_with_paths(params)
-    return jax.tree.unflatten(treedef, [bool(of(path)) for path, _ in leaves])
-
-  return resolved
-
-
-def _check_learning_rate(name, value, optional=False):
-  if value is None and not optional:
-    raise ValueError(
-      f"{name}=None is not accepted; accepted: a float >= 0 or "
-      "an optax schedule"
-    )
-  if value is not None and not callable(value):
-    _checks.check_range(name, value, 0.0, np.inf)
 
 
 def muon(
@@ -369,85 +239,3 @@ def muon(
     adam_weight_decay_mask=adam_weight_decay_mask,
     state_memory_kind=state_memory_kind,
   )
-
-
-def route(
-  direction: optax.GradientTransformation,
-  learning_rate,
-  *,
-  weight_decay=0.0,
-  weight_decay_mask=None,
-  labels=None,
-  scalar_optimizer: str = "adam",
-  adam_learning_rate=None,
-  adam_b1=0.9,
-  adam_b2=0.999,
-  adam_eps=1e-8,
-  adam_weight_decay=0.0,
-  adam_weight_decay_mask=None,
-  muon_step=None,
-  state_memory_kind: str | None = None,
-) -> optax.GradientTransformation:
-  """A Muon-family ``direction`` for the ``"muon"`` leaves, with decoupled
-  weight decay and the learning rate (or ``muon_step``, a transform that
-  turns the direction into the step itself), beside AdamW (or Lion) for the
-  ``"adam"`` leaves and nothing for the ``"none"`` ones, the whole state in
-  ``state_memory_kind`` between steps (see ``muon``)."""
-  offload.check_memory_kind(state_memory_kind)
-  _check_learning_rate("learning_rate", learning_rate)
-  _check_learning_rate("adam_learning_rate", adam_learning_rate, optional=True)
-  _checks.check_choice("scalar_optimizer", scalar_optimizer, SCALAR_OPTIMIZERS)
-  _checks.check_range("weight_decay", weight_decay, 0.0, np.inf)
-  _checks.check_range("adam_weight_decay", adam_weight_decay, 0.0, np.inf)
-  _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
-  _checks.check_range("adam_b2", adam_b2, 0.0, 1.0)
-  _checks.check_range("adam_eps", adam_eps, 0.0, np.inf)
-  muon_chain = (
-    optax.chain(direction, muon_step)
-    if muon_step
-    else (
-      optax.chain(
-        direction,
-        optax.add_decayed_weights(
-          weight_decay, _mask_by_path("weight_decay_mask", weight_decay_mask)
-        ),
-        optax.scale_by_learning_rate(learning_rate),
-      )
-    )
-  )
-  scalar_lr = (
-    learning_rate if adam_learning_rate is None else adam_learning_rate
-  )
-  scalar_mask = (
-    matrices_only
-    if adam_weight_decay_mask is None
-    else _mask_by_path("adam_weight_decay_mask", adam_weight_decay_mask)
-  )
-  if scalar_optimizer == "adam":
-    scalar_chain = optax.adamw(
-      scalar_lr,
-      b1=adam_b1,
-      b2=adam_b2,
-      eps=adam_eps,
-      weight_decay=adam_weight_decay,
-      mask=scalar_mask,
-    )
-  else:
-    scalar_chain = optax.lion(
-      scalar_lr,
-      b1=adam_b1,
-      b2=adam_b2,
-      weight_decay=adam_weight_decay,
-      mask=scalar_mask,
-    )
-  routed = optax.partition(
-    {
-      labels_lib.MUON: in_params_dtype(muon_chain),
-      labels_lib.ADAM: scalar_chain,
-      labels_lib.NONE: optax.set_to_zero(),
-    },
-    labels_lib.label_fn(labels),
-  )
-  if state_memory_kind is None:
-    return routed
-  return offload.offload_state(routed, state_memory_kind)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_muon._src.base import checks as _checks
-from optax_muon._src.optimizers import muon as alias
+from optax_muon._src.optimizers.route import route
 
 # the functions by their own modules: the package's names are the functions
 from optax_muon._src.transforms.momentum import canonical_dtype
@@ -27,6 +27,7 @@ from optax_muon._src.transforms.orthogonalize import (
   orthogonalize as orthogonalize_transform,
 )
 from optax_muon._src.views import layout as layout_lib
+from optax_muon._src.views.layout import from_layout
 
 
 class PolarGradState(NamedTuple):
@@ -65,7 +66,7 @@ def scale_by_polargrad(
     Lau et al., `PolarGrad <https://arxiv.org/abs/2505.21799>`_, 2025
   """
   _checks.check_positive("extra_scale_factor", extra_scale_factor)
-  _, dimension_numbers = alias.from_layout(layout, None, dimension_numbers)
+  _, dimension_numbers = from_layout(layout, None, dimension_numbers)
   canonical_dtype("mu_dtype", mu_dtype, quantized=True)
   momentum = momentum_transform(
     beta, nesterov=nesterov, style=momentum_style, dtype=mu_dtype
@@ -142,9 +143,7 @@ def polargrad(
   Returns:
     An ``optax.GradientTransformation``.
   """
-  labels, dimension_numbers = alias.from_layout(
-    layout, labels, dimension_numbers
-  )
+  labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
   direction = scale_by_polargrad(
     beta=beta,
     nesterov=nesterov,
@@ -157,7 +156,7 @@ def polargrad(
     dimension_numbers=dimension_numbers,
     memory_budget=memory_budget,
   )
-  return alias.route(
+  return route(
     direction,
     learning_rate,
     weight_decay=weight_decay,

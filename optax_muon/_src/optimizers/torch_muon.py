@@ -10,12 +10,13 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from optax_muon._src.base import checks as _checks
-from optax_muon._src.optimizers import muon as alias
+from optax_muon._src.optimizers.route import route
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.transforms.orthogonalize import (
   orthogonalize as orthogonalize_transform,
 )
+from optax_muon._src.views.layout import from_layout
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 WEIGHT_ORDERS = ("in_out", "out_in")
@@ -220,9 +221,7 @@ def torch_muon(
     )
   _checks.check_choice("weight_order", weight_order, WEIGHT_ORDERS)
   triple = _check_coefficients(ns_coefficients)
-  labels, dimension_numbers = alias.from_layout(
-    layout, labels, dimension_numbers
-  )
+  labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
   if weight_order == "out_in":
     if dimension_numbers is not None:
       raise ValueError(
@@ -254,7 +253,7 @@ def torch_muon(
     scaling.scale_by_shape(scale_mode, **layout_args),
     optax.scale(extra),
   )
-  return alias.route(
+  return route(
     direction,
     lr,
     weight_decay=weight_decay,

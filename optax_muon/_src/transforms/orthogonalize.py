@@ -20,6 +20,7 @@ from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import coefficients as coefficients_lib
 from optax_muon._src.kernels import matrices
 from optax_muon._src.kernels import newton_schulz as ns
+from optax_muon._src.parallel import sharded
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel import waves
 from optax_muon._src.views import layout
@@ -149,7 +150,7 @@ def orthogonalize(
     views = resolve_views(updates)
     check_dtypes(views)
     if sharding is not None:
-      leaves = sharding_lib.orthogonalize_sharded(
+      leaves = sharded.orthogonalize_sharded(
         [leaf for _, leaf, _ in views],
         [view for _, _, view in views],
         sharding,

@@ -1,5 +1,6 @@
 """Shape scale modes and AdamW-RMS matching."""
 
+import logging
 import math
 
 import jax
@@ -9,6 +10,7 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
+from optax_muon._src.transforms import scaling
 from optax_muon._src.views import layout
 
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
@@ -127,3 +129,46 @@ def scale_by_shape(
     return jax.tree.unflatten(jax.tree.structure(updates), leaves), state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+_logger = logging.getLogger("optax_muon")
+_logged_factors: set[float] = set()
+
+
+def resolve_extra_scale_factor(
+  extra_scale_factor, match_adamw_update_rms: bool, adamw_beta1
+):
+  """The factor applied after the shape scale (see ``scale_by_muon``).
+
+  Raises:
+    ValueError: both ``match_adamw_update_rms`` and ``extra_scale_factor`` set.
+  """
+  if not isinstance(match_adamw_update_rms, bool):
+    raise TypeError(
+      f"match_adamw_update_rms must be a bool, got {match_adamw_update_rms!r}"
+    )
+  if match_adamw_update_rms:
+    if extra_scale_factor is not None:
+      raise ValueError(
+        "match_adamw_update_rms=True derives extra_scale_factor from AdamW's "
+        f"beta1, but extra_scale_factor={extra_scale_factor!r} was also set; "
+        "set exactly one of them"
+      )
+    factor = scaling.adamw_rms_match_factor(adamw_beta1)
+    if (
+      not _checks.is_traced(factor)
+      and factor not in _logged_factors
+      and (jax.process_index() == 0)
+    ):
+      _logged_factors.add(float(factor))
+      _logger.info(
+        "match_adamw_update_rms: extra_scale_factor resolved to "
+        "%.6f from adamw beta1=%s",
+        factor,
+        float(np.asarray(adamw_beta1)),
+      )
+    return factor
+  if extra_scale_factor is None:
+    return 1.0
+  _checks.check_positive("extra_scale_factor", extra_scale_factor)
+  return extra_scale_factor

@@ -361,3 +361,38 @@ def view_resolver(dimension_numbers=None, split_qkv=None, split_gate_up=None):
     return views
 
   return resolve
+
+
+def from_layout(layout, labels, dimension_numbers):
+  """``(labels, dimension_numbers)`` from ``layout=``, or as given.
+
+  Raises:
+    ValueError: ``layout`` together with ``labels`` or ``dimension_numbers``.
+    TypeError: a ``layout`` that is not an ``om.Layout``.
+  """
+  if layout is None:
+    return labels, dimension_numbers
+  given = [
+    name
+    for name, value in (
+      ("labels", labels),
+      ("dimension_numbers", dimension_numbers),
+    )
+    if value is not None
+  ]
+  if given:
+    raise ValueError(
+      f"layout= gives the labels and dimension numbers, but {given[0]}= was "
+      "also set; pass layout= alone, or labels=/dimension_numbers= without "
+      "layout="
+    )
+  if not (hasattr(layout, "labels") and hasattr(layout, "dimension_numbers")):
+    raise TypeError(
+      f"layout must be an om.Layout (from om.infer_layout), got "
+      f"{type(layout).__name__}"
+    )
+  shapes = getattr(layout, "shapes", None)
+  return (
+    _paths.FromLayout(layout.labels, shapes),
+    _paths.FromLayout(layout.dimension_numbers, shapes),
+  )

@@ -1,0 +1,51 @@
+"""The routing table: one aligned line per leaf (``print(layout)``,
+``om.describe``)."""
+
+import math
+
+import jax.numpy as jnp
+
+from optax_muon._src.base import paths as _paths
+from optax_muon._src.transforms import scaling
+
+
+def render(rows, scale_of=scaling.scale_factor, moment2_of=None) -> str:
+  """One aligned line per leaf: path, shape, role, optimizer, matrices,
+  scale (``scale_of(fan_out, fan_in)``, spectral by default), with
+  ``moment2_of`` the second moment's shape (``moment2_of(count, fan_in,
+  fan_out)``), and the rule that decided when rows carry one."""
+  header = ["path", "shape", "role", "optimizer", "matrices", "scale"]
+  header += ["second moment"] if moment2_of is not None else []
+  lines = []
+  for path, leaf, role, label, view, *reason in rows:
+    shape = "×".join(map(str, jnp.shape(leaf))) or "scalar"
+    moment2 = []
+    if view is None:
+      matrices, scale = "—", "—"
+      moment2 = ["—"] if moment2_of is not None else []
+    else:
+      count = math.prod(view.batch_shape)
+      pieces = view.matrix_shapes
+      matrices = " + ".join(
+        f"{count} × {fan_in} × {fan_out}" for fan_in, fan_out in pieces
+      )
+      scale = " + ".join(
+        f"{scale_of(fan_out, fan_in):.3g}" for fan_in, fan_out in pieces
+      )
+      if moment2_of is not None:
+        moment2 = [
+          " + ".join(
+            " × ".join(map(str, moment2_of(count, fan_in, fan_out)))
+            for fan_in, fan_out in pieces
+          )
+        ]
+    lines.append(
+      (_paths.path_string(path), shape, role, label, matrices, scale)
+      + (*moment2, *reason)
+    )
+  lines.insert(0, tuple(header + ["rule"])[: len(lines[0]) if lines else 6])
+  widths = [max(len(line[c]) for line in lines) for c in range(len(lines[0]))]
+  return "\n".join(
+    "  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
+    for line in lines
+  )

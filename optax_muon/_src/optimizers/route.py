@@ -1,0 +1,143 @@
+"""Routing: a Muon-family direction for the matrices, AdamW (or Lion) for the
+rest, nothing for the frozen leaves; weight decay and the learning rate."""
+
+import jax
+import numpy as np
+import optax
+
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import paths as _paths
+from optax_muon._src.parallel import offload
+from optax_muon._src.views import labels as labels_lib
+
+SCALAR_OPTIMIZERS = ("adam", "lion")
+
+
+def matrices_only(params):
+  """The default weight-decay mask of the AdamW group: leaves of 2+ axes
+  (embeddings, heads) decay; norm scales, biases and other vectors do not."""
+  return jax.tree.map(lambda x: jax.numpy.ndim(x) >= 2, params)
+
+
+def in_params_dtype(
+  inner: optax.GradientTransformation,
+) -> optax.GradientTransformation:
+  """``inner`` with each update leaf cast to its parameter's dtype (Muon's
+  float32 momentum would otherwise give float32 updates to bfloat16
+  params); the state is ``inner``'s own, so checkpoints are unchanged."""
+
+  def update_fn(updates, state, params=None):
+    updates, state = inner.update(updates, state, params)
+    if params is not None:
+      updates = jax.tree.map(
+        lambda u, p: u.astype(jax.numpy.result_type(p)), updates, params
+      )
+    return updates, state
+
+  return optax.GradientTransformation(inner.init, update_fn)
+
+
+def _mask_by_path(name, mask):
+  """A weight-decay mask tree made readable on the partitioned (masked) tree."""
+  if mask is None or callable(mask):
+    return mask
+  lookup = _paths.PathLookup(name, mask, (bool, np.bool_), default=False)
+
+  def resolved(params):
+    of = lookup.resolve(params)
+    leaves, treedef = _paths.leaves_with_paths(params)
+    return jax.tree.unflatten(treedef, [bool(of(path)) for path, _ in leaves])
+
+  return resolved
+
+
+def _check_learning_rate(name, value, optional=False):
+  if value is None and not optional:
+    raise ValueError(
+      f"{name}=None is not accepted; accepted: a float >= 0 or "
+      "an optax schedule"
+    )
+  if value is not None and not callable(value):
+    _checks.check_range(name, value, 0.0, np.inf)
+
+
+def route(
+  direction: optax.GradientTransformation,
+  learning_rate,
+  *,
+  weight_decay=0.0,
+  weight_decay_mask=None,
+  labels=None,
+  scalar_optimizer: str = "adam",
+  adam_learning_rate=None,
+  adam_b1=0.9,
+  adam_b2=0.999,
+  adam_eps=1e-8,
+  adam_weight_decay=0.0,
+  adam_weight_decay_mask=None,
+  muon_step=None,
+  state_memory_kind: str | None = None,
+) -> optax.GradientTransformation:
+  """A Muon-family ``direction`` for the ``"muon"`` leaves, with decoupled
+  weight decay and the learning rate (or ``muon_step``, a transform that
+  turns the direction into the step itself), beside AdamW (or Lion) for the
+  ``"adam"`` leaves and nothing for the ``"none"`` ones, the whole state in
+  ``state_memory_kind`` between steps (see ``muon``)."""
+  offload.check_memory_kind(state_memory_kind)
+  _check_learning_rate("learning_rate", learning_rate)
+  _check_learning_rate("adam_learning_rate", adam_learning_rate, optional=True)
+  _checks.check_choice("scalar_optimizer", scalar_optimizer, SCALAR_OPTIMIZERS)
+  _checks.check_range("weight_decay", weight_decay, 0.0, np.inf)
+  _checks.check_range("adam_weight_decay", adam_weight_decay, 0.0, np.inf)
+  _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
+  _checks.check_range("adam_b2", adam_b2, 0.0, 1.0)
+  _checks.check_range("adam_eps", adam_eps, 0.0, np.inf)
+  muon_chain = (
+    optax.chain(direction, muon_step)
+    if muon_step
+    else (
+      optax.chain(
+        direction,
+        optax.add_decayed_weights(
+          weight_decay, _mask_by_path("weight_decay_mask", weight_decay_mask)
+        ),
+        optax.scale_by_learning_rate(learning_rate),
+      )
+    )
+  )
+  scalar_lr = (
+    learning_rate if adam_learning_rate is None else adam_learning_rate
+  )
+  scalar_mask = (
+    matrices_only
+    if adam_weight_decay_mask is None
+    else _mask_by_path("adam_weight_decay_mask", adam_weight_decay_mask)
+  )
+  if scalar_optimizer == "adam":
+    scalar_chain = optax.adamw(
+      scalar_lr,
+      b1=adam_b1,
+      b2=adam_b2,
+      eps=adam_eps,
+      weight_decay=adam_weight_decay,
+      mask=scalar_mask,
+    )
+  else:
+    scalar_chain = optax.lion(
+      scalar_lr,
+      b1=adam_b1,
+      b2=adam_b2,
+      weight_decay=adam_weight_decay,
+      mask=scalar_mask,
+    )
+  routed = optax.partition(
+    {
+      labels_lib.MUON: in_params_dtype(muon_chain),
+      labels_lib.ADAM: scalar_chain,
+      labels_lib.NONE: optax.set_to_zero(),
+    },
+    labels_lib.label_fn(labels),
+  )
+  if state_memory_kind is None:
+    return routed
+  return offload.offload_state(routed, state_memory_kind)

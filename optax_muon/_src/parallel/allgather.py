@@ -1,0 +1,248 @@
+"""``allgather``: the matrices of one shape once turned wide (each layer of a
+scanned stack, each expert, each per-layer leaf) are stacked and re-laid out
+with one all-to-all so that each rank holds whole matrices, orthogonalizes
+its share, and a second all-to-all puts them back: an 80-layer stack at TP 8
+sends 10 layers to each rank. A group with fewer matrices than ranks is
+padded with zero matrices when that moves fewer bytes than gathering each
+one (3 or more), else it is ``duplicated`` (``shares_out``)."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from optax_muon._src.parallel import duplicated
+from optax_muon._src.parallel import waves
+from optax_muon._src.parallel.tensor_parallel import Leaf
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
+
+
+def shares_out(members: int, ranks: int) -> bool:
+  """Whether ``allgather`` sends a group through two all-to-alls.
+
+  A group of ``k`` same-shape matrices is padded with zero matrices to a
+  multiple ``P`` of the ``N`` ranks; per device, its two all-to-alls move
+  ``2·P·S(N−1)/N²`` bytes for matrices of ``S`` bytes, all-gathering each
+  member (``duplicated``) ``k·S(N−1)/N``, and each rank orthogonalizes
+  ``P/N`` matrices instead of ``k``. So ``k ≥ N`` always shares out (no more
+  bytes, less work), and a smaller group when it moves fewer bytes: ``2 < k``,
+  three or more members.
+  """
+  return members >= min(ranks, 3)
+
+
+@dataclasses.dataclass
+class WideMember:
+  """A leaf of an ``allgather`` group, seen with its axes ordered ``(batch,
+  rows, columns)``, ``rows ≤ columns``, so that leaves whose matrices are
+  each other's transposes (an MLP's up and down kernels) group together. The
+  reordering is applied to each part a task reads, never to the whole leaf."""
+
+  leaf: Leaf
+  axis: int | None
+
+  def __post_init__(self):
+    self.x, self.view, self.tp_dim = (
+      self.leaf.x,
+      self.leaf.view,
+      self.leaf.tp_dim,
+    )
+    v = self.view
+    rows, cols = v.reduction_axes, v.output_axes
+    if v.fan_in > v.fan_out:
+      rows, cols = cols, rows
+    self.order = v.batch_axes + rows + cols
+    self.rows = math.prod(self.x.shape[a] for a in rows)
+    self.cols = math.prod(self.x.shape[a] for a in cols)
+    self.wide_tp_dim = 1 + (self.tp_dim not in rows)  # of (items, rows, cols)
+    # the sharded side of the whole matrix is tp.size times the local one
+    self.items = math.prod(self.x.shape[a] for a in v.batch_axes)
+
+  @property
+  def key(self):
+    return (self.rows, self.cols, self.x.dtype, self.wide_tp_dim)
+
+  def whole_bytes(self, ranks: int, count: int = 1) -> int:
+    """``newton_schulz_bytes`` of ``count`` whole matrices: the sharded
+    side ``ranks`` times the local one."""
+    rows, cols = self.rows, self.cols
+    if self.wide_tp_dim == 1:
+      rows *= ranks
+    else:
+      cols *= ranks
+    return waves.newton_schulz_bytes(rows, cols, count, self.x.dtype.itemsize)
+
+  def wide_items(self, part: jax.Array) -> jax.Array:
+    """``part`` as ``(items, rows, cols)``."""
+    return jnp.transpose(part, self.order).reshape(-1, self.rows, self.cols)
+
+  def unwide(self, items: jax.Array, shape) -> jax.Array:
+    """Inverse of ``wide_items`` for a part of ``shape``."""
+    wide_shape = tuple(shape[a] for a in self.order)
+    inverse = tuple(sorted(range(len(self.order)), key=self.order.__getitem__))
+    return jnp.transpose(items.reshape(wide_shape), inverse)
+
+
+def _pieces(items: int, ranks: int, free_size: int) -> int:
+  """How many pieces each matrix is cut into along its free (not sharded)
+  side for an all-to-all: two when each rank would receive a single matrix
+  (the TPU compiler takes minutes over an all-to-all of one-item chunks, and
+  under a second over two-item ones), else one."""
+  return 2 if items == ranks and free_size % 2 == 0 else 1
+
+
+def _split_free(x: jax.Array, free: int, pieces: int) -> jax.Array:
+  """``(n, r, c)`` → ``(n·pieces, ...)``: each matrix cut along axis
+  ``free`` (1 rows, 2 columns), its pieces consecutive."""
+  if pieces == 1:
+    return x
+  n, r, c = x.shape
+  if free == 1:
+    return x.reshape(n * pieces, r // pieces, c)
+  x = x.reshape(n, r, pieces, c // pieces).transpose(0, 2, 1, 3)
+  return x.reshape(n * pieces, r, c // pieces)
+
+
+def _join_free(x: jax.Array, free: int, pieces: int) -> jax.Array:
+  """Inverse of ``_split_free``."""
+  if pieces == 1:
+    return x
+  n, a, b = x.shape
+  x = x.reshape(n // pieces, pieces, a, b)
+  if free == 1:
+    return x.reshape(n // pieces, pieces * a, b)
+  return x.transpose(0, 2, 1, 3).reshape(n // pieces, a, pieces * b)
+
+
+def _shards_to_whole(stack: jax.Array, axis_name, tp_dim: int) -> jax.Array:
+  """A stack ``(P, r, c)`` of local shards, split along ``tp_dim`` (1 or 2)
+  over the ``P`` ranks' matrices, re-laid out so that each rank holds its
+  ``P/N`` whole matrices: one all-to-all."""
+  ranks = jax.lax.axis_size(axis_name)
+  free = 3 - tp_dim
+  pieces = _pieces(stack.shape[0], ranks, stack.shape[free])
+  whole = jax.lax.all_to_all(
+    _split_free(stack, free, pieces), axis_name, 0, tp_dim, tiled=True
+  )
+  return _join_free(whole, free, pieces)
+
+
+def _whole_to_shards(whole: jax.Array, axis_name, tp_dim: int) -> jax.Array:
+  """Inverse of ``_shards_to_whole``."""
+  ranks = jax.lax.axis_size(axis_name)
+  free = 3 - tp_dim
+  pieces = _pieces(whole.shape[0] * ranks, ranks, whole.shape[free])
+  shards = jax.lax.all_to_all(
+    _split_free(whole, free, pieces), axis_name, tp_dim, 0, tiled=True
+  )
+  return _join_free(shards, free, pieces)
+
+
+def _allgather_unit(member: WideMember, ranks: int) -> int:
+  """Slices of the member's split axis whose matrices fill whole matrices for
+  every rank (no zero padding in an all-to-all)."""
+  if member.axis is None:
+    return 1
+  per_slice = member.items // member.x.shape[member.axis]
+  return ranks // math.gcd(ranks, per_slice)
+
+
+def _task(
+  members: list[WideMember], split: bool, tp: TensorParallel
+) -> waves.Task:
+  """Local shards of ``members``' matrices stacked, re-laid out by one
+  all-to-all so that each rank holds whole matrices, and sent back.
+  ``split``: one member, whose task may be split along its batch axis."""
+  first = members[0]
+  items = sum(m.items for m in members)
+  per_rank = -(-items // tp.size)
+  itemsize = first.x.dtype.itemsize
+
+  def prepare(inputs):
+    stack = jnp.concatenate([m.wide_items(x) for m, x in zip(members, inputs)])
+    count = stack.shape[0]
+    padded = -(-count // tp.size) * tp.size
+    stack = jnp.pad(stack, ((0, padded - count), (0, 0), (0, 0)))
+    whole = _shards_to_whole(stack, tp.axis, first.wide_tp_dim)
+    return [whole], (count, [x.shape for x in inputs])
+
+  def restore(ms, context):
+    count, shapes = context
+    (done,) = ms
+    back = _whole_to_shards(done, tp.axis, first.wide_tp_dim)[:count]
+    outputs, start = [], 0
+    for member, shape in zip(members, shapes):
+      n = math.prod(shape[a] for a in member.view.batch_axes)
+      outputs.append(member.unwide(back[start : start + n], shape))
+      start += n
+    return outputs
+
+  def finish(outputs):
+    for member, out in zip(members, outputs):
+      member.leaf.finish(out)
+
+  return waves.Task(
+    [m.x for m in members],
+    prepare,
+    restore,
+    finish,
+    members[0].leaf.solver(tp)
+    if all(m.leaf.replicated for m in members)
+    else "local",
+    first.whole_bytes(tp.size, per_rank)
+    + 2 * itemsize * first.rows * first.cols * per_rank * tp.size,
+    first.axis if split else None,
+    _allgather_unit(first, tp.size) if split else 1,
+  )
+
+
+def _tasks(
+  members: list[WideMember], tp: TensorParallel, budget: int
+) -> list[waves.Task]:
+  """One task for the group when it fits the budget; else each stacked
+  member alone (split by the waves) and the others in parts of about one
+  budget's worth of whole matrices per rank."""
+  whole = _task(members, False, tp)
+  if whole.bytes <= budget:
+    return [whole]
+  per_matrix = members[0].whole_bytes(tp.size)
+  quota = max(1, budget // per_matrix) * tp.size  # matrices per part
+  tasks: list[waves.Task] = []
+  pool: list[WideMember] = []
+  pooled = 0
+  for member in members:
+    if (
+      member.axis is not None
+      and member.items >= 2 * quota
+      and member.x.shape[member.axis] % _allgather_unit(member, tp.size) == 0
+    ):
+      tasks.append(_task([member], True, tp))
+      continue
+    if pool and pooled + member.items > quota:
+      tasks.append(_task(pool, False, tp))
+      pool, pooled = [], 0
+    pool.append(member)
+    pooled += member.items
+  if pool:
+    tasks.append(_task(pool, False, tp))
+  return tasks
+
+
+def plan(
+  leaves: list[Leaf], tp: TensorParallel, budget: int
+) -> list[waves.Task]:
+  """The leaves grouped by the shape of their matrices once turned wide; a
+  group that shares out (``shares_out``) goes through the all-to-alls, in
+  parts within ``budget``; the others are ``duplicated``."""
+  groups: dict[tuple, list[WideMember]] = {}
+  for leaf in leaves:
+    member = WideMember(leaf, waves.split_axis(leaf.view, leaf.x.shape))
+    groups.setdefault(member.key, []).append(member)
+  tasks: list[waves.Task] = []
+  for members in groups.values():
+    if shares_out(sum(m.items for m in members), tp.size):
+      tasks += _tasks(members, tp, budget)
+    else:
+      tasks += [duplicated.task(m.leaf, tp) for m in members]
+  return tasks

@@ -1,0 +1,24 @@
+"""``blockwise``: each rank orthogonalizes its local block as a matrix of its
+own; no communication. Also every leaf not split over the tensor-parallel
+axis, in any mode."""
+
+from optax_muon._src.parallel import waves
+from optax_muon._src.parallel.tensor_parallel import Leaf
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
+from optax_muon._src.parallel.tensor_parallel import local_view
+
+
+def plan(
+  leaves: list[Leaf], tp: TensorParallel, budget: int
+) -> list[waves.Task]:
+  """One task per leaf: its local matrices, as they are."""
+  del budget
+  return [
+    waves.view_task(
+      leaf.x,
+      lambda shape, view=leaf.view: local_view(view, shape),
+      leaf.finish,
+      leaf.solver(tp),
+    )
+    for leaf in leaves
+  ]

@@ -1,0 +1,117 @@
+"""The sharded orthogonalization: every Muon leaf enters one
+``jax.shard_map`` with its parameter's ``PartitionSpec`` and leaves with it.
+
+Inside, matrix axes sharded over mesh axes other than the tensor-parallel
+one (FSDP over ``data``) are gathered first and re-split last; batch axes
+(stacked layers, experts) stay sharded. Each leaf then goes to the planner of
+its mode (``tensor_parallel.mode_for``: ``blockwise``, ``duplicated``,
+``distributed`` or ``allgather``, one module each), which returns the
+leaf's tasks, and the tasks of all leaves run in waves within the memory
+budget (``waves``).
+"""
+
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from optax_muon._src.kernels import batched
+from optax_muon._src.parallel import allgather
+from optax_muon._src.parallel import blockwise
+from optax_muon._src.parallel import distributed
+from optax_muon._src.parallel import duplicated
+from optax_muon._src.parallel import waves
+from optax_muon._src.parallel.tensor_parallel import Leaf
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
+from optax_muon._src.parallel.tensor_parallel import mode_for
+from optax_muon._src.parallel.tensor_parallel import own_chunk
+
+PLANNERS = {
+  "blockwise": blockwise.plan,
+  "duplicated": duplicated.plan,
+  "distributed": distributed.plan,
+  "allgather": allgather.plan,
+}
+
+
+def _gather_other_axes(x, view, spec, tp: TensorParallel):
+  """``x`` with its matrix axes gathered over every mesh axis but the
+  tensor-parallel one, and the ``(axis name, dim)`` pairs gathered."""
+  gathered = []
+  for dim in view.reduction_axes + view.output_axes:
+    for name in spec[dim]:
+      if name != tp.axis:
+        if len(spec[dim]) > 1:
+          raise ValueError(
+            f"a matrix axis sharded over {spec[dim]} together is not "
+            "supported; shard it over the tensor-parallel axis alone"
+          )
+        x = jax.lax.all_gather(x, name, axis=dim, tiled=True)
+        gathered.append((name, dim))
+  return x, tuple(gathered)
+
+
+def orthogonalize_sharded(
+  leaves,
+  views,
+  tp: TensorParallel,
+  specs,
+  solver: batched.Solver,
+  memory_budget: int | None = None,
+):
+  """Orthogonalizes ``leaves`` (global arrays) under ``tp``; see the module.
+
+  Args:
+    leaves: the Muon leaves.
+    views: their ``MatrixView``s (global shapes).
+    tp: the ``TensorParallel`` settings.
+    specs: ``tp.leaf_specs`` of the leaves.
+    solver: how each matrix is orthogonalized.
+    memory_budget: bytes per device (``None``: the default budget).
+
+  Returns:
+    The orthogonalized leaves, sharded like the inputs.
+  """
+  budget = waves.resolve(memory_budget)
+  in_specs = tuple(PartitionSpec(*[a or None for a in spec]) for spec in specs)
+  solvers = {
+    "local": lambda ms: batched.orthogonalize_matrices(ms, solver),
+    "replicated": lambda ms: batched.orthogonalize_matrices(
+      ms, solver, tp.distribute_over
+    ),
+    "distributed": lambda ms: batched.orthogonalize_split_columns(
+      ms, solver, tp.axis
+    ),
+  }
+
+  def body(*local_leaves):
+    results: list[Any] = [None] * len(local_leaves)
+    by_mode: dict[str, list[Leaf]] = {mode: [] for mode in PLANNERS}
+    for index, (x, view, spec) in enumerate(zip(local_leaves, views, specs)):
+      x, gathered = _gather_other_axes(x, view, spec, tp)
+      tp_dims = [
+        d for d in view.reduction_axes + view.output_axes if tp.axis in spec[d]
+      ]
+      tp_dim = tp_dims[0] if tp_dims else None
+
+      def finish(out, gathered=gathered, index=index):
+        for name, dim in reversed(gathered):
+          out = own_chunk(out, name, dim)
+        results[index] = out
+
+      replicated = not any(
+        tp.distribute_over in spec[d] for d in view.batch_axes
+      )
+      leaf = Leaf(x, view, tp_dim, finish, replicated)
+      by_mode[mode_for(tp.mode, view, tp_dim)].append(leaf)
+    tasks = [
+      task
+      for mode, planner in PLANNERS.items()
+      for task in planner(by_mode[mode], tp, budget)
+    ]
+    waves.run(tasks, budget, solvers)
+    return tuple(results)
+
+  return jax.shard_map(
+    body, mesh=tp.mesh, in_specs=in_specs, out_specs=in_specs, check_vma=False
+  )(*leaves)

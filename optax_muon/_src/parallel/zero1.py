@@ -1,0 +1,63 @@
+"""ZeRO-1: optimizer state also split over the data-parallel axis."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from optax_muon._src.base import paths as _paths
+from optax_muon._src.kernels import quantize
+
+
+def zero1_sharding(
+  tree, mesh: jax.sharding.Mesh, axis: str = "data", specs=None
+) -> Any:
+  """ZeRO-1: ``NamedSharding``s that also split each leaf over ``axis``.
+
+  Each leaf keeps its spec (from ``specs``, a tree like ``tree``, or
+  replicated) and its first unsharded axis that ``axis`` divides is split
+  over ``axis``, so optimizer state (Muon's momentum) takes 1/N of the memory
+  per data-parallel rank. Use it for ``jax.device_put`` and ``out_shardings``.
+  An 8-bit leaf (``om.QuantizedMomentum``) splits its values and scales on
+  the same axis, one that both divide, so each shard holds whole blocks.
+
+  Returns:
+    A tree like ``tree`` of ``jax.sharding.NamedSharding``.
+  """
+  if axis not in mesh.axis_names:
+    raise ValueError(
+      f"axis={axis!r} is not a mesh axis; accepted values: "
+      f"{list(mesh.axis_names)}"
+    )
+  lookup = _paths.PathLookup(
+    "specs", specs, PartitionSpec, default=PartitionSpec()
+  )
+  spec_of = lookup.resolve(tree)
+  ways = mesh.shape[axis]
+
+  def split(path, shapes):
+    """One sharding for arrays of ``shapes`` (a quantized leaf's values and
+    scales differ only in their last axis): the first axis all divide."""
+    given = spec_of(path)
+    spec = list(given) + [None] * (len(shapes[0]) - len(given))
+    for dim in range(len(spec)):
+      sizes = [shape[dim] for shape in shapes]
+      if spec[dim] is None and all(n % ways == 0 and n > 1 for n in sizes):
+        spec[dim] = axis
+        break
+    return jax.sharding.NamedSharding(mesh, PartitionSpec(*spec))
+
+  is_quantized = lambda x: isinstance(x, quantize.QuantizedArray)
+  leaves, treedef = _paths.leaves_with_paths(tree, is_leaf=is_quantized)
+  out: list[Any] = []
+  for path, leaf in leaves:
+    if is_quantized(leaf):
+      shapes = [jnp.shape(leaf.values) or (1,), jnp.shape(leaf.scales)]
+      both = split(path + ("values",), shapes)
+      if not jnp.shape(leaf.values):
+        both = jax.sharding.NamedSharding(mesh, PartitionSpec())
+      out.append(quantize.QuantizedArray(both, both))
+    else:
+      out.append(split(path, [jnp.shape(leaf)]))
+  return jax.tree.unflatten(treedef, out)

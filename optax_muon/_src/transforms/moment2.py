@@ -1,0 +1,162 @@
+"""The second moment of AdaptiveMuon (NorMuon, AdaMuon, NAMO) on the raw
+Newton–Schulz output; see ``optimizers.adaptive`` for the update."""
+
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.kernels.matrices import frobenius
+from optax_muon._src.views import layout as layout_lib
+from optax_muon._src.views.layout import from_layout
+
+MOMENT2_METHODS = ("adamuon", "normuon", "namo")
+
+
+_TINY = 1e-30
+
+
+class Moment2State(NamedTuple):
+  """Per leaf, a tuple with one float32 second moment per matrix piece, of
+  shape ``(matrices, rows, cols)``: ``(fan_in, fan_out)`` for ``adamuon``,
+  ``(1, fan_out)`` or ``(fan_in, 1)`` for ``normuon`` (the longer axis kept),
+  ``(1, 1)`` for ``namo``."""
+
+  moment2: Any
+
+
+def moment2_shape(method: str, count: int, fan_in: int, fan_out: int):
+  """The second moment kept for ``count`` matrices ``fan_in × fan_out``:
+  elementwise (adamuon), one per unit of the longer axis, averaged over the
+  shorter one (normuon, as EO does), or one scalar per matrix (namo)."""
+  if method == "adamuon":
+    return (count, fan_in, fan_out)
+  if method == "normuon":
+    return (count, 1, fan_out) if fan_out >= fan_in else (count, fan_in, 1)
+  return (count, 1, 1)
+
+
+def scale_by_moment2(
+  method: str = "adamuon",
+  beta2=0.95,
+  eps=1e-8,
+  *,
+  dimension_numbers=None,
+  split_qkv=None,
+  layout=None,
+  split_gate_up=None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Normalizes orthogonalized updates by a running second moment.
+
+  Placed after ``orthogonalize`` and before ``scale_by_shape`` (EO's order;
+  see the module docstring for the three formulas).
+
+  Args:
+    method: ``"adamuon"`` (elementwise), ``"normuon"`` (per row or column)
+      or ``"namo"`` (one scalar per matrix).
+    beta2: the second moment's decay, in ``[0, 1)``.
+    eps: ``adamuon`` and ``namo`` add it to ``√v``; ``normuon`` floors ``v``.
+    dimension_numbers, split_qkv, layout, split_gate_up: the matrix views,
+      as in ``scale_by_muon``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; with ``"namo"`` its update
+    takes ``gradients=`` (the raw gradients) and ``directions=`` (the
+    momentum directions before orthogonalization).
+
+  References:
+    Si et al., `AdaMuon <https://arxiv.org/abs/2507.11005>`_, 2025
+
+    Li et al., `NorMuon <https://arxiv.org/abs/2510.05491>`_, 2025
+
+    `NAMO <https://arxiv.org/abs/2602.17080>`_, 2026
+  """
+  _checks.check_choice("moment2_method", method, MOMENT2_METHODS)
+  _checks.check_range("beta2", beta2, 0.0, 1.0)
+  _checks.check_range("moment2_eps", eps, 0.0, np.inf)
+  _, dimension_numbers = from_layout(layout, None, dimension_numbers)
+  resolve_views = layout_lib.view_resolver(
+    dimension_numbers, split_qkv, split_gate_up
+  )
+
+  def init_fn(params):
+    moments = []
+    for _, _, view in resolve_views(params):
+      count = int(np.prod(view.batch_shape))
+      moments.append(
+        tuple(
+          jnp.zeros(moment2_shape(method, count, fan_in, fan_out), jnp.float32)
+          for fan_in, fan_out in view.matrix_shapes
+        )
+      )
+    return Moment2State(jax.tree.unflatten(jax.tree.structure(params), moments))
+
+  def normalize(o, v, g=None, u=None):
+    if method == "adamuon":
+      v = beta2 * v + (1 - beta2) * jnp.square(o)
+      return o / (jnp.sqrt(v) + eps), v
+    if method == "normuon":
+      shorter = -2 if v.shape[-2] == 1 else -1
+      v = beta2 * v + (1 - beta2) * jnp.mean(
+        jnp.square(o), axis=shorter, keepdims=True
+      )
+      normalized = o * jax.lax.rsqrt(jnp.maximum(v, eps))
+      # NorMuon keeps the polar factor's Frobenius norm (EO 0.3.0 does)
+      ratio = frobenius(o) / jnp.maximum(frobenius(normalized), _TINY)
+      return normalized * ratio, v
+    v = beta2 * v + (1 - beta2) * jnp.square(frobenius(g))
+    return o * (frobenius(u) / (jnp.sqrt(v) + eps)), v
+
+  def update_fn(
+    updates,
+    state,
+    params=None,
+    *,
+    gradients=None,
+    directions=None,
+    **extra_args,
+  ):
+    del params, extra_args
+    if method == "namo" and (gradients is None or directions is None):
+      raise ValueError(
+        "moment2_method='namo' needs update(..., gradients=, "
+        "directions=): the raw gradients and the momentum "
+        "directions (scale_by_adaptive_muon passes them)"
+      )
+    views = resolve_views(updates)
+    treedef = jax.tree.structure(updates)
+    moments = treedef.flatten_up_to(state.moment2)
+    grads = (
+      treedef.flatten_up_to(gradients)
+      if gradients is not None
+      else [None] * len(views)
+    )
+    dirs = (
+      treedef.flatten_up_to(directions)
+      if directions is not None
+      else [None] * len(views)
+    )
+    new_leaves, new_moments = [], []
+    for (_, leaf, view), leaf_moments, g, u in zip(views, moments, grads, dirs):
+      pieces = view.to_matrices(leaf)
+      g_pieces = view.to_matrices(g) if g is not None else [None] * len(pieces)
+      u_pieces = view.to_matrices(u) if u is not None else [None] * len(pieces)
+      outs, vs = [], []
+      for o, v, g_piece, u_piece in zip(
+        pieces, leaf_moments, g_pieces, u_pieces
+      ):
+        out, v = normalize(o.astype(jnp.float32), v, g_piece, u_piece)
+        outs.append(out.astype(o.dtype))
+        vs.append(v)
+      new_leaves.append(view.from_matrices(outs))
+      new_moments.append(tuple(vs))
+    return (
+      jax.tree.unflatten(treedef, new_leaves),
+      Moment2State(jax.tree.unflatten(treedef, new_moments)),
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
