@@ -1,6 +1,7 @@
 """8-bit blockwise momentum (om.QuantizedMomentum): bytes, the rounding
 bound, no drift, shards, sharded modes, checkpoints."""
 
+import re
 import sys
 
 import chex
@@ -331,3 +332,18 @@ def test_zero1_splits_values_and_scales_on_an_axis_both_divide():
   shardings = om.zero1_sharding(even, mesh, "data")
   assert shardings.mu["w"].values.spec == P(None, "data")
   assert shardings.mu["w"].scales.spec == P(None, "data")
+
+
+def test_the_8_bit_update_runs_in_parts_within_the_memory_budget():
+  # a scanned stack over the budget is updated a part (a layer) at a time:
+  # its float32 temporaries are a part's, not the whole stack's (the TPU
+  # compiler keeps them all otherwise; the CPU one fuses either way)
+  params = {"stack": jnp.zeros((16, 128, 512))}
+
+  def hlo(budget):
+    tx = om.momentum(dtype=Q8, memory_budget=budget)
+    return jax.jit(tx.update).lower(params, tx.init(params)).as_text()
+
+  part = re.compile(r"dynamic_slice[^\n]*tensor<1x128x512xf32>")
+  assert "while" in hlo(1) and part.search(hlo(1))
+  assert "while" not in hlo(1 << 40)

@@ -111,7 +111,11 @@ def scale_by_adaptive_muon(
   )
   canonical_dtype("mu_dtype", mu_dtype, quantized=True)
   momentum = momentum_transform(
-    beta, nesterov=nesterov, style=momentum_style, dtype=mu_dtype
+    beta,
+    nesterov=nesterov,
+    style=momentum_style,
+    dtype=mu_dtype,
+    memory_budget=memory_budget,
   )
   orthogonalize = orthogonalize_transform(
     coefficients=coefficients,

@@ -103,7 +103,11 @@ def scale_by_muon(
   )
   return optax.chain(
     momentum_lib.momentum(
-      beta, nesterov=nesterov, style=momentum_style, dtype=mu_dtype
+      beta,
+      nesterov=nesterov,
+      style=momentum_style,
+      dtype=mu_dtype,
+      memory_budget=memory_budget,
     ),
     orthogonalize_lib.orthogonalize(
       coefficients=coefficients,

@@ -69,7 +69,11 @@ def scale_by_polargrad(
   _, dimension_numbers = from_layout(layout, None, dimension_numbers)
   canonical_dtype("mu_dtype", mu_dtype, quantized=True)
   momentum = momentum_transform(
-    beta, nesterov=nesterov, style=momentum_style, dtype=mu_dtype
+    beta,
+    nesterov=nesterov,
+    style=momentum_style,
+    dtype=mu_dtype,
+    memory_budget=memory_budget,
   )
   orthogonalize = orthogonalize_transform(
     coefficients=coefficients,

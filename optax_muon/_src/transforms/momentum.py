@@ -1,5 +1,7 @@
 """The momentum transform of Muon (EMA or SGD style, optional bias correction)."""
 
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -11,6 +13,7 @@ import optax
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.kernels import quantize
 from optax_muon._src.kernels.quantize import QuantizedMomentum
+from optax_muon._src.parallel import waves
 
 MOMENTUM_STYLES = ("ema", "sgd")
 
@@ -61,6 +64,39 @@ class BiasCorrectedMomentumState(NamedTuple):
   mu: optax.Updates
 
 
+def _ema_step(g, m, weight, beta, nesterov):
+  """``(update, new buffer)`` from a gradient and the old buffer."""
+  new = weight * g + beta * m
+  return (weight * g + beta * new if nesterov else new), new
+
+
+def _quantized_task(g, stored, config, step, finish) -> waves.Task:
+  """One leaf's 8-bit momentum update as work of a wave: its inputs the
+  gradient, values and scales, its outputs the update (in the gradient's
+  dtype) and the new values and scales, each of its input's shape. A stack
+  (3+ axes) may be split along its leading axis (blocks run along the last
+  one, so a part holds whole blocks)."""
+
+  def prepare(inputs):
+    g, values, scales = inputs
+    old = quantize.QuantizedArray(values, scales)
+    update, new = step(g.astype(jnp.float32), quantize.dequantize(old, config))
+    new = quantize.quantize(new, old, config)
+    return [], [update.astype(g.dtype), new.values, new.scales]
+
+  entries = math.prod(jnp.shape(g))
+  return waves.Task(
+    [g, stored.values, stored.scales],
+    prepare,
+    lambda matrices, results: results,
+    finish,
+    "elementwise",
+    # the gradient and update, int8 in and out, four float32 temporaries
+    entries * (2 * jnp.dtype(g.dtype).itemsize + 2 + 16),
+    0 if jnp.ndim(g) >= 3 and jnp.shape(g)[0] > 1 else None,
+  )
+
+
 def momentum(
   beta=0.95,
   *,
@@ -68,6 +104,7 @@ def momentum(
   style: str = "ema",
   dtype=None,
   bias_correction: bool = False,
+  memory_budget: int | None = None,
 ) -> optax.GradientTransformation:
   r"""Accumulates gradients into a momentum buffer and returns its update.
 
@@ -97,6 +134,10 @@ def momentum(
       (int8 and a scale per block), updated in float32.
     bias_correction: correct the EMA's bias towards zero in early steps; the
       state then counts the updates (``BiasCorrectedMomentumState``).
+    memory_budget: with an 8-bit buffer, bytes per device of float32 work in
+      flight: the leaves are updated in waves (``optax_muon.waves``), a
+      stacked leaf (3+ axes) in parts along its leading axis, so a scanned
+      70B model never holds its whole momentum in float32 (``None``: 2 GiB).
 
   Returns:
     An ``optax.GradientTransformation`` with state ``MomentumState`` (or
@@ -119,8 +160,10 @@ def momentum(
       f"got style={style!r}; accepted styles with it: ['ema']"
     )
   dtype = canonical_dtype("dtype", dtype, quantized=True)
+  budget = waves.resolve(memory_budget)
   gradient_weight = (lambda: 1.0 - beta) if style == "ema" else (lambda: 1.0)
   new_buffer: Callable[[Any], Any]
+  quantized = isinstance(dtype, QuantizedMomentum)
   if isinstance(dtype, QuantizedMomentum):
     config = dtype
     is_stored = lambda x: isinstance(x, quantize.QuantizedArray)
@@ -147,7 +190,32 @@ def momentum(
       return BiasCorrectedMomentumState(count=jnp.zeros([], jnp.int32), mu=mu)
     return MomentumState(mu=mu)
 
+  def quantized_update_fn(updates, state, params=None):
+    """The 8-bit path: each leaf dequantized, updated in float32 and
+    requantized in waves within the budget (see ``_quantized_task``)."""
+    del params
+    grads, treedef = jax.tree.flatten(updates)
+    stored = treedef.flatten_up_to(state.mu)
+    outputs: list[Any] = [None] * len(grads)
+    buffers: list[Any] = [None] * len(grads)
+    step = lambda g, m: _ema_step(g, m, gradient_weight(), beta, nesterov)
+
+    def finish(i, results):
+      outputs[i] = results[0]
+      buffers[i] = quantize.QuantizedArray(results[1], results[2])
+
+    tasks = [
+      _quantized_task(g, q, config, step, functools.partial(finish, i))
+      for i, (g, q) in enumerate(zip(grads, stored))
+    ]
+    waves.run(tasks, budget, {"elementwise": lambda matrices: matrices})
+    return treedef.unflatten(outputs), MomentumState(
+      mu=treedef.unflatten(buffers)
+    )
+
   def update_fn(updates, state, params=None):
+    if quantized and not bias_correction:
+      return quantized_update_fn(updates, state, params)
     del params
     weight = gradient_weight()
     previous = load(state.mu)
