@@ -15,6 +15,8 @@ from optax_muon._src.kernels.diagnostics import orthogonality_error
 from optax_muon._src.kernels.diagnostics import singular_value_spread
 from optax_muon._src.kernels.diagnostics import update_rms
 from optax_muon._src.kernels.newton_schulz import newton_schulz
+from optax_muon._src.kernels.qk import clip_mla_qk
+from optax_muon._src.kernels.qk import clip_qk
 from optax_muon._src.kernels.quantize import QuantizedMomentum
 from optax_muon._src.kernels.spectral import spectral_clip
 from optax_muon._src.kernels.spectral import spectral_clipped_weight_decay
@@ -33,8 +35,6 @@ from optax_muon._src.transforms.hyperball import hyperball
 from optax_muon._src.transforms.moment2 import scale_by_moment2
 from optax_muon._src.transforms.momentum import momentum
 from optax_muon._src.transforms.orthogonalize import orthogonalize
-from optax_muon._src.transforms.qk_clip import clip_mla_qk
-from optax_muon._src.transforms.qk_clip import clip_qk
 from optax_muon._src.transforms.qk_clip import qk_clip
 from optax_muon._src.transforms.scaling import adamw_rms_match_factor
 from optax_muon._src.transforms.scaling import scale_by_shape

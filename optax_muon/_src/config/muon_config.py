@@ -11,7 +11,6 @@ Field names and defaults follow verl's ``actor.optim`` and Megatron-Core's
 import dataclasses
 import functools
 import math
-import types
 import typing
 import warnings
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
+from optax_muon._src.config import overrides as overrides_lib
 from optax_muon._src.kernels import coefficients
 from optax_muon._src.kernels import matrices
 from optax_muon._src.optimizers import adaptive
@@ -139,7 +139,9 @@ class MuonConfig:
       object.__setattr__(
         self,
         field.name,
-        _coerce(field.name, getattr(self, field.name), hints[field.name]),
+        overrides_lib.coerce(
+          field.name, getattr(self, field.name), hints[field.name]
+        ),
       )
     choices = {
       "optimizer": OPTIMIZERS,
@@ -213,7 +215,7 @@ class MuonConfig:
     to other than their defaults but the optimizer is ``"adam"`` (they have
     no effect then).
     """
-    fields = parse_fields(cls, values)
+    fields = overrides_lib.parse_fields(cls, values)
     config = cls(**fields)
     defaults = cls()
     ignored = sorted(
@@ -233,7 +235,7 @@ class MuonConfig:
   @classmethod
   def from_overrides(cls, overrides: Iterable[str]) -> "MuonConfig":
     """From ``"key=value"`` strings, types read from the fields (no ``eval``)."""
-    return cls.from_dict(split_overrides(overrides))
+    return cls.from_dict(overrides_lib.split_overrides(overrides))
 
   @property
   def extra_scale_factor(self) -> float:
@@ -478,114 +480,3 @@ def _check_no_fused_qkv(params) -> None:
       f"({fused[0]}, ...) and build() got no split_qkv=SplitQKV(...) "
       "with their head counts; pass it or set muon_split_qkv=False"
     )
-
-
-def split_overrides(overrides: Iterable[str]) -> dict[str, str]:
-  """``["a.b=1", ...]`` as ``{"a.b": "1", ...}``."""
-  if isinstance(overrides, (str, bytes)):
-    raise TypeError(
-      f"overrides must be a list of 'key=value' strings, got the "
-      f"single string {overrides!r}; wrap it in a list"
-    )
-  values = {}
-  for item in overrides:
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-      raise ValueError(f"override {item!r} is not of the form key=value")
-    values[key.strip()] = value.strip()
-  return values
-
-
-def parse_fields(cls, values: Mapping[str, Any]) -> dict[str, Any]:
-  """Typed field values of dataclass ``cls`` from names (dotted prefixes
-  allowed) to values or strings; an unknown name raises ``ValueError``."""
-  hints = typing.get_type_hints(cls)
-  known = [f.name for f in dataclasses.fields(cls)]
-  fields: dict[str, Any] = {}
-  keys: dict[str, str] = {}
-  for key, value in _flatten(values).items():
-    name = key.rsplit(".", 1)[-1]
-    if name not in known:
-      raise ValueError(f"unknown field {key!r}; accepted fields: {known}")
-    if name in keys and keys[name] != key:
-      raise ValueError(
-        f"field {name!r} is set twice, as {keys[name]!r} and "
-        f"{key!r}; set it once"
-      )
-    keys[name] = key
-    fields[name] = _coerce(name, value, hints[name])
-  return fields
-
-
-def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-  """``{"optim": {"lr": 1}}`` as ``{"optim.lr": 1}``."""
-  flat = {}
-  for key, value in values.items():
-    if isinstance(value, Mapping):
-      flat.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      flat[f"{prefix}{key}"] = value
-  return flat
-
-
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
-
-def _coerce(name: str, value: Any, hint) -> Any:
-  """``value`` as the field's type; strings are parsed, other types checked."""
-  origin = typing.get_origin(hint)
-  if origin in (typing.Union, types.UnionType) and type(
-    None
-  ) in typing.get_args(hint):
-    if value is None or (
-      isinstance(value, str) and value.lower() in ("none", "null", "")
-    ):
-      return None
-    (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
-    return _coerce(name, value, inner)
-  if hint is bool:
-    if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
-      return value.lower() in _TRUE
-    if isinstance(value, bool):
-      return value
-    raise ValueError(f"{name}={value!r} is not a bool; accepted: true/false")
-  if value is None or (
-    isinstance(value, str) and value.lower() in ("none", "null")
-  ):
-    raise ValueError(
-      f"{name}={value!r} is not accepted: {name} cannot be "
-      f"unset; give a value of type {getattr(hint, '__name__', hint)}"
-    )
-  if hint in (int, float):
-    whole = hint is int
-    try:
-      if isinstance(value, bool) or (
-        whole and isinstance(value, float) and not value.is_integer()
-      ):
-        raise ValueError
-      return hint(value)
-    except (TypeError, ValueError):
-      kind = "an integer" if whole else "a number"
-      raise ValueError(f"{name}={value!r} is not {kind}") from None
-  if origin is tuple:
-    if isinstance(value, str):
-      value = [v for v in value.strip("[]() ").split(",") if v.strip()]
-    args = typing.get_args(hint)
-    if len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]: any length
-      if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(
-          f"{name}={value!r} must be one or more values, e.g. [1,2,3]"
-        )
-      args = (args[0],) * len(value)
-    if not isinstance(value, (list, tuple)) or len(value) != len(args):
-      raise ValueError(
-        f"{name}={value!r} must be {len(args)} numbers, e.g. [0.9,0.999]"
-      )
-    return tuple(
-      _coerce(f"{name}[{i}]", v, t) for i, (v, t) in enumerate(zip(value, args))
-    )
-  if hint is str:
-    if not isinstance(value, str):
-      raise ValueError(f"{name}={value!r} is not a string")
-    return value
-  return value
