@@ -1,12 +1,14 @@
 """``om.describe``: the routing table for any ``om.muon`` settings."""
 
 import functools
+from typing import Any
 
 import jax
 import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
+from optax_muon._src.base import types
 from optax_muon._src.inference.table import render
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.moment2 import MOMENT2_METHODS
@@ -17,17 +19,17 @@ from optax_muon._src.views.layout import from_layout
 
 
 def describe(
-  params,
+  params: optax.Params,
   *,
-  labels=None,
-  dimension_numbers=None,
-  split_qkv=None,
-  split_gate_up=None,
-  layout=None,
+  labels: types.PerLeaf = None,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  split_gate_up: types.PerLeaf = None,
+  layout: Any = None,
   scale_mode: str = "spectral",
   match_adamw_update_rms: bool = False,
-  extra_scale_factor=None,
-  adam_b1=0.9,
+  extra_scale_factor: types.Numeric | None = None,
+  adam_b1: types.Numeric = 0.9,
   moment2_method: str | None = None,
 ) -> str:
   """The routing table for the given ``om.muon`` settings (defaults

@@ -307,7 +307,12 @@ def _infer(fn, params, args, kwargs, output, frozen_args: int = 0) -> Layout:
 
 
 def infer_layout(
-  fn, params=None, *args, output=None, wrt=None, **kwargs
+  fn: Any,
+  params: Any = None,
+  *args: Any,
+  output: int | str | None = None,
+  wrt: Any = None,
+  **kwargs: Any,
 ) -> Layout:
   """Reads which leaves are matrices, and how, from the model's computation.
 

@@ -5,19 +5,21 @@ or matrices whose columns are split over a mesh axis
 planners hand their matrices here."""
 
 import dataclasses
+import typing
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_muon._src.base import types
 from optax_muon._src.kernels import gram
 from optax_muon._src.kernels import newton_schulz as ns
 from optax_muon._src.kernels.matrices import from_wide
 from optax_muon._src.kernels.matrices import to_wide
 from optax_muon._src.kernels.matrices import working_dtype
 
-METHODS = ("standard", "gram")
+METHODS = typing.get_args(types.Method)
 
 # Stacking same-shape matrices pays for small ones (one batched matmul instead
 # of many small ones) and costs memory: a stack's loop keeps two copies of the
@@ -50,7 +52,7 @@ class Solver:
   mode: str
   steps: Any
   precision: str
-  eps: float
+  eps: Any  # a float, or traced
   preconditioning: str = "frobenius"
   add_eps: bool = False
   method: str = "standard"

@@ -66,7 +66,7 @@ class SingularValueSpread(NamedTuple):
   max: jax.Array
 
 
-def singular_value_spread(x) -> SingularValueSpread:
+def singular_value_spread(x: jax.Array) -> SingularValueSpread:
   """The extreme singular values of each matrix of ``x`` (shape ``(..., m, n)``).
 
   After Newton–Schulz every singular value lies near 1 (quintic: ≈ 0.7–1.2);

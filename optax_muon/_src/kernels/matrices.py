@@ -1,10 +1,14 @@
 """Matrices as the Newton–Schulz kernels see them: the working dtype, the
 wide orientation, products at a precision, an overflow-safe norm."""
 
+import typing
+
 import jax
 import jax.numpy as jnp
 
-PRECISIONS = ("highest", "high", "medium", "fp16", "bf16")
+from optax_muon._src.base import types
+
+PRECISIONS = typing.get_args(types.Precision)
 # the dtype each product is rounded to ("medium", "fp16") or the iterate is
 # kept in between steps ("bf16")
 _ROUNDED = {"medium": jnp.bfloat16, "fp16": jnp.float16, "bf16": jnp.bfloat16}

@@ -1,10 +1,13 @@
 """The Newton–Schulz orthogonalization kernel, batched over leading axes."""
 
+import typing
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import types
 from optax_muon._src.kernels import coefficients as coefficients_lib
 from optax_muon._src.kernels.matrices import PRECISIONS
 from optax_muon._src.kernels.matrices import check_precision_for
@@ -87,7 +90,7 @@ def _normalize_in_bf16(x: jax.Array, eps: float, axis_name=None) -> jax.Array:
   return (x / jnp.maximum(norm, eps)).astype(jnp.bfloat16)
 
 
-PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
+PRECONDITIONINGS = typing.get_args(types.Preconditioning)
 GRAM_RESCALINGS = ("aol", "schatten")  # scale X from A = X Xᴴ
 
 
@@ -242,8 +245,8 @@ def iterate(
 def newton_schulz(
   x: jax.Array,
   *,
-  coefficients="quintic",
-  steps=5,
+  coefficients: types.Coefficients = "quintic",
+  steps: types.Steps = 5,
   precision: str = "highest",
   eps: float = 1e-30,
 ) -> jax.Array:

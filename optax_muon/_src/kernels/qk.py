@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import types
 
 
 def check_heads(num_heads, num_kv_heads, head_dim) -> None:
@@ -191,12 +192,12 @@ def by_column(values, kernel):
 
 
 def clip_qk(
-  q_kernel,
-  k_kernel,
-  max_logits,
+  q_kernel: jax.Array,
+  k_kernel: jax.Array,
+  max_logits: jax.Array,
   *,
-  threshold=100.0,
-  alpha=0.5,
+  threshold: types.Numeric = 100.0,
+  alpha: types.Numeric = 0.5,
   num_heads: int,
   num_kv_heads: int,
   head_dim: int,
@@ -353,12 +354,12 @@ def check_mla(num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
 
 
 def clip_mla_qk(
-  q_kernel,
-  kv_kernel,
-  max_logits,
+  q_kernel: jax.Array,
+  kv_kernel: jax.Array,
+  max_logits: jax.Array,
   *,
-  threshold=100.0,
-  alpha=0.5,
+  threshold: types.Numeric = 100.0,
+  alpha: types.Numeric = 0.5,
   num_heads: int,
   qk_nope_head_dim: int,
   qk_rope_head_dim: int,

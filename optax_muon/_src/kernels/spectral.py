@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import types
 from optax_muon._src.kernels.matrices import from_wide
 from optax_muon._src.kernels.matrices import matmul
 from optax_muon._src.kernels.matrices import to_wide
@@ -78,7 +79,9 @@ def _hardcap(x, beta):
   )
 
 
-def spectral_clip(x: jax.Array, sigma_min=-1.0, sigma_max=1.0) -> jax.Array:
+def spectral_clip(
+  x: jax.Array, sigma_min: types.Numeric = -1.0, sigma_max: types.Numeric = 1.0
+) -> jax.Array:
   """Each matrix of ``x`` (``(..., m, n)``) with its singular values clipped
   to ``[sigma_min, sigma_max]`` (see the module docstring).
 
@@ -103,7 +106,7 @@ def spectral_clip(x: jax.Array, sigma_min=-1.0, sigma_max=1.0) -> jax.Array:
   return _clip(x, sigma_min, sigma_max)
 
 
-def spectral_hardcap(x: jax.Array, beta=1.0) -> jax.Array:
+def spectral_hardcap(x: jax.Array, beta: types.Numeric = 1.0) -> jax.Array:
   """Each matrix of ``x`` with its singular values capped at ``beta``.
 
   Args:
@@ -121,7 +124,9 @@ def spectral_hardcap(x: jax.Array, beta=1.0) -> jax.Array:
   return _hardcap(x, beta)
 
 
-def spectral_clipped_weight_decay(x: jax.Array, beta=1.0, c=0.5) -> jax.Array:
+def spectral_clipped_weight_decay(
+  x: jax.Array, beta: types.Numeric = 1.0, c: types.Numeric = 0.5
+) -> jax.Array:
   """``(1 − c) x + c · spectral_hardcap(x, beta)``: EO's spectral version of
   decoupled weight decay (only singular values above ``beta`` shrink)."""
   check_share(c)

@@ -17,8 +17,11 @@ the params need no preparation. Norms are over the whole leaf, as EO's are
 over a parameter tensor.
 """
 
+from typing import Any
+
 import optax
 
+from optax_muon._src.base import types
 from optax_muon._src.optimizers import muon as alias
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.transforms.hyperball import hyperball
@@ -26,21 +29,21 @@ from optax_muon._src.views.layout import from_layout
 
 
 def muon_hyperball(
-  learning_rate,
+  learning_rate: optax.ScalarOrSchedule,
   *,
-  radius=None,
-  hyperball_eps=1e-8,
-  weight_decay=0.0,
-  labels=None,
-  dimension_numbers=None,
-  layout=None,
+  radius: types.Numeric | None = None,
+  hyperball_eps: types.Numeric = 1e-8,
+  weight_decay: types.Numeric = 0.0,
+  labels: types.PerLeaf = None,
+  dimension_numbers: types.PerLeaf = None,
+  layout: Any = None,
   scalar_optimizer: str = "adam",
-  adam_learning_rate=None,
-  adam_b1=0.9,
-  adam_b2=0.999,
-  adam_eps=1e-8,
-  adam_weight_decay=0.0,
-  adam_weight_decay_mask=None,
+  adam_learning_rate: optax.ScalarOrSchedule | None = None,
+  adam_b1: types.Numeric = 0.9,
+  adam_b2: types.Numeric = 0.999,
+  adam_eps: types.Numeric = 1e-8,
+  adam_weight_decay: types.Numeric = 0.0,
+  adam_weight_decay_mask: types.PerLeaf = None,
   state_memory_kind: str | None = None,
   **muon_kwargs,
 ) -> optax.GradientTransformation:

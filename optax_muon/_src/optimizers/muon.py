@@ -1,9 +1,13 @@
 """The ready-made chains: ``scale_by_muon`` and ``muon``."""
 
+from typing import Any
+
 import optax
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import types
 from optax_muon._src.optimizers.route import route
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import momentum as momentum_lib
 from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
 from optax_muon._src.transforms import scaling
@@ -13,24 +17,24 @@ from optax_muon._src.views.layout import from_layout
 
 def scale_by_muon(
   *,
-  beta=0.95,
+  beta: types.Numeric = 0.95,
   nesterov: bool = True,
   momentum_style: str = "ema",
-  mu_dtype=None,
-  coefficients="quintic",
-  steps=5,
+  mu_dtype: types.MomentumDtype = None,
+  coefficients: types.Coefficients = "quintic",
+  steps: types.Steps = 5,
   precision: str = "highest",
   method: str = "standard",
   scale_mode: str = "spectral",
-  extra_scale_factor=None,
+  extra_scale_factor: types.Numeric | None = None,
   match_adamw_update_rms: bool = False,
-  adamw_beta1=0.9,
-  dimension_numbers=None,
-  split_qkv=None,
-  sharding=None,
+  adamw_beta1: types.Numeric = 0.9,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  sharding: TensorParallel | None = None,
   preconditioning: str = "frobenius",
-  layout=None,
-  split_gate_up=None,
+  layout: Any = None,
+  split_gate_up: types.PerLeaf = None,
   memory_budget: int | None = None,
 ) -> optax.GradientTransformation:
   r"""Muon's direction: momentum, orthogonalized, scaled by shape.
@@ -95,7 +99,7 @@ def scale_by_muon(
   extra = resolve_extra_scale_factor(
     extra_scale_factor, match_adamw_update_rms, adamw_beta1
   )
-  layout_args = dict(
+  layout_args: dict[str, Any] = dict(
     dimension_numbers=dimension_numbers,
     split_qkv=split_qkv,
     split_gate_up=split_gate_up,
@@ -124,35 +128,35 @@ def scale_by_muon(
 
 
 def muon(
-  learning_rate,
+  learning_rate: optax.ScalarOrSchedule,
   *,
-  beta=0.95,
+  beta: types.Numeric = 0.95,
   nesterov: bool = True,
   momentum_style: str = "ema",
-  mu_dtype=None,
-  coefficients="quintic",
-  steps=5,
+  mu_dtype: types.MomentumDtype = None,
+  coefficients: types.Coefficients = "quintic",
+  steps: types.Steps = 5,
   precision: str = "highest",
   method: str = "standard",
   scale_mode: str = "spectral",
-  extra_scale_factor=None,
+  extra_scale_factor: types.Numeric | None = None,
   match_adamw_update_rms: bool = False,
-  dimension_numbers=None,
-  split_qkv=None,
-  sharding=None,
-  weight_decay=0.0,
-  weight_decay_mask=None,
-  labels=None,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  sharding: TensorParallel | None = None,
+  weight_decay: types.Numeric = 0.0,
+  weight_decay_mask: types.PerLeaf = None,
+  labels: types.PerLeaf = None,
   scalar_optimizer: str = "adam",
-  adam_learning_rate=None,
-  adam_b1=0.9,
-  adam_b2=0.999,
-  adam_eps=1e-8,
-  adam_weight_decay=0.0,
-  adam_weight_decay_mask=None,
+  adam_learning_rate: optax.ScalarOrSchedule | None = None,
+  adam_b1: types.Numeric = 0.9,
+  adam_b2: types.Numeric = 0.999,
+  adam_eps: types.Numeric = 1e-8,
+  adam_weight_decay: types.Numeric = 0.0,
+  adam_weight_decay_mask: types.PerLeaf = None,
   preconditioning: str = "frobenius",
-  layout=None,
-  split_gate_up=None,
+  layout: Any = None,
+  split_gate_up: types.PerLeaf = None,
   memory_budget: int | None = None,
   state_memory_kind: str | None = None,
 ) -> optax.GradientTransformation:

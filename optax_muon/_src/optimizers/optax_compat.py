@@ -12,6 +12,7 @@ from optax.contrib import MuonDimensionNumbers
 from optax.contrib import MuonState
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import types
 from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import coefficients as coefficients_lib
 from optax_muon._src.kernels.newton_schulz import PRECONDITIONINGS
@@ -103,9 +104,9 @@ def _check_muon_leaves(dims, tree):
 def orthogonalize_via_newton_schulz(
   x: jax.Array,
   ns_coeffs: jax.Array,
-  ns_steps=5,
+  ns_steps: types.Steps = 5,
   preconditioning: str = "frobenius",
-  eps=1e-8,
+  eps: types.Numeric = 1e-8,
   dimension_numbers: MuonDimensionNumbers | None = None,
   *,
   method: str = "standard",
@@ -157,16 +158,16 @@ def orthogonalize_via_newton_schulz(
 
 
 def scale_by_muon(
-  ns_coeffs=_DEFAULT_NS_COEFFS,
-  ns_steps=5,
-  beta=0.95,
-  eps=1e-8,
-  mu_dtype=None,
+  ns_coeffs: Any = _DEFAULT_NS_COEFFS,
+  ns_steps: types.Steps = 5,
+  beta: types.Numeric = 0.95,
+  eps: types.Numeric = 1e-8,
+  mu_dtype: types.MomentumDtype = None,
   *,
   nesterov: bool = True,
   adaptive: bool = False,
   preconditioning: str = "frobenius",
-  weight_dimension_numbers=None,
+  weight_dimension_numbers: types.PerLeaf = None,
   sharding: sharding_lib.TensorParallel | None = None,
   method: str = "standard",
   precision: str = "high",
@@ -256,8 +257,8 @@ def scale_by_muon(
 
 
 def scale_by_shape(
-  weight_dimension_numbers=None,
-  consistent_rms=None,
+  weight_dimension_numbers: types.PerLeaf = None,
+  consistent_rms: types.Numeric | None = None,
   *,
   sharding: sharding_lib.TensorParallel | None = None,
 ) -> optax.GradientTransformation:
@@ -322,24 +323,24 @@ def _labels_and_dims(dims_or_fn):
 
 def muon(
   learning_rate: optax.ScalarOrSchedule,
-  ns_coeffs=_DEFAULT_NS_COEFFS,
-  ns_steps=5,
-  beta=0.95,
-  eps=1e-8,
-  weight_decay=0.0,
+  ns_coeffs: Any = _DEFAULT_NS_COEFFS,
+  ns_steps: types.Steps = 5,
+  beta: types.Numeric = 0.95,
+  eps: types.Numeric = 1e-8,
+  weight_decay: types.Numeric = 0.0,
   weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
-  mu_dtype=None,
+  mu_dtype: types.MomentumDtype = None,
   *,
   nesterov: bool = True,
   adaptive: bool = False,
   preconditioning: str = "frobenius",
-  adam_b1=0.9,
-  adam_b2=0.999,
-  adam_eps_root=0.0,
-  adam_weight_decay=0.0,
+  adam_b1: types.Numeric = 0.9,
+  adam_b2: types.Numeric = 0.999,
+  adam_eps_root: types.Numeric = 0.0,
+  adam_weight_decay: types.Numeric = 0.0,
   adam_learning_rate: optax.ScalarOrSchedule | None = None,
-  muon_weight_dimension_numbers=None,
-  consistent_rms=None,
+  muon_weight_dimension_numbers: types.PerLeaf = None,
+  consistent_rms: types.Numeric | None = None,
   sharding: sharding_lib.TensorParallel | None = None,
   method: str = "standard",
   precision: str = "high",

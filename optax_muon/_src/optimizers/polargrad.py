@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import types
 from optax_muon._src.optimizers.route import route
 
 # the functions by their own modules: the package's names are the functions
@@ -36,16 +37,16 @@ class PolarGradState(NamedTuple):
 
 def scale_by_polargrad(
   *,
-  beta=0.95,
+  beta: types.Numeric = 0.95,
   nesterov: bool = False,
   momentum_style: str = "ema",
-  mu_dtype=None,
-  coefficients="quintic",
-  steps=5,
+  mu_dtype: types.MomentumDtype = None,
+  coefficients: types.Coefficients = "quintic",
+  steps: types.Steps = 5,
   precision: str = "highest",
-  extra_scale_factor=1.0,
-  dimension_numbers=None,
-  layout=None,
+  extra_scale_factor: types.Numeric | None = 1.0,
+  dimension_numbers: types.PerLeaf = None,
+  layout: Any = None,
   memory_budget: int | None = None,
 ) -> optax.GradientTransformation:
   r"""PolarGrad's direction: ``⟨O, u⟩ · extra · O`` per matrix (see the
@@ -114,21 +115,21 @@ def scale_by_polargrad(
 
 
 def polargrad(
-  learning_rate,
+  learning_rate: optax.ScalarOrSchedule,
   *,
-  beta=0.95,
+  beta: types.Numeric = 0.95,
   nesterov: bool = False,
   momentum_style: str = "ema",
-  mu_dtype=None,
-  coefficients="quintic",
-  steps=5,
+  mu_dtype: types.MomentumDtype = None,
+  coefficients: types.Coefficients = "quintic",
+  steps: types.Steps = 5,
   precision: str = "highest",
-  extra_scale_factor=1.0,
-  dimension_numbers=None,
-  layout=None,
-  weight_decay=0.0,
-  weight_decay_mask=None,
-  labels=None,
+  extra_scale_factor: types.Numeric | None = 1.0,
+  dimension_numbers: types.PerLeaf = None,
+  layout: Any = None,
+  weight_decay: types.Numeric = 0.0,
+  weight_decay_mask: types.PerLeaf = None,
+  labels: types.PerLeaf = None,
   memory_budget: int | None = None,
   state_memory_kind: str | None = None,
   **scalar_kwargs,

@@ -1,16 +1,19 @@
 """Routing: a Muon-family direction for the matrices, AdamW (or Lion) for the
 rest, nothing for the frozen leaves; weight decay and the learning rate."""
 
+import typing
+
 import jax
 import numpy as np
 import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
+from optax_muon._src.base import types
 from optax_muon._src.parallel import offload
 from optax_muon._src.views import labels as labels_lib
 
-SCALAR_OPTIMIZERS = ("adam", "lion")
+SCALAR_OPTIMIZERS = typing.get_args(types.ScalarOptimizer)
 
 
 def matrices_only(params):

@@ -14,16 +14,17 @@ It needs no code of its own beyond this: ``om.muon`` with those settings.
 
 import optax
 
+from optax_muon._src.base import types
 from optax_muon._src.optimizers import muon as alias
 
 
 def scion(
-  learning_rate,
+  learning_rate: optax.ScalarOrSchedule,
   *,
-  beta=0.95,
-  spectral_radius=1.0,
-  coefficients="quintic",
-  steps=5,
+  beta: types.Numeric = 0.95,
+  spectral_radius: types.Numeric = 1.0,
+  coefficients: types.Coefficients = "quintic",
+  steps: types.Steps = 5,
   precision: str = "highest",
   **muon_kwargs,
 ) -> optax.GradientTransformation:

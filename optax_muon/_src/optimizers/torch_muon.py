@@ -1,5 +1,6 @@
 """``torch.optim.Muon``'s numbers in optax (``compat.torch_muon``)."""
 
+from typing import Any
 from typing import Literal
 from typing import NamedTuple
 
@@ -10,7 +11,9 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import types
 from optax_muon._src.optimizers.route import route
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.transforms.orthogonalize import (
@@ -121,9 +124,9 @@ def _check_coefficients(ns_coefficients) -> tuple[float, float, float]:
 
 
 def torch_muon(
-  lr=1e-3,
-  weight_decay=0.1,
-  momentum=0.95,
+  lr: optax.ScalarOrSchedule = 1e-3,
+  weight_decay: types.Numeric = 0.1,
+  momentum: types.Numeric = 0.95,
   nesterov: bool = True,
   ns_coefficients: tuple[float, float, float] = TORCH_NS_COEFFICIENTS,
   eps: float = 1e-7,
@@ -132,22 +135,22 @@ def torch_muon(
   *,
   weight_order: Literal["in_out", "out_in"] = "in_out",
   precision: Literal["bf16", "highest", "high", "medium", "fp16"] = "bf16",
-  mu_dtype=None,
-  labels=None,
-  layout=None,
-  dimension_numbers=None,
-  split_qkv=None,
-  split_gate_up=None,
-  sharding=None,
+  mu_dtype: types.MomentumDtype = None,
+  labels: types.PerLeaf = None,
+  layout: Any = None,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  split_gate_up: types.PerLeaf = None,
+  sharding: TensorParallel | None = None,
   memory_budget: int | None = None,
-  weight_decay_mask=None,
+  weight_decay_mask: types.PerLeaf = None,
   scalar_optimizer: Literal["adam", "lion"] = "adam",
-  adam_learning_rate=None,
-  adam_b1=0.9,
-  adam_b2=0.999,
-  adam_eps=1e-8,
-  adam_weight_decay=0.0,
-  adam_weight_decay_mask=None,
+  adam_learning_rate: optax.ScalarOrSchedule | None = None,
+  adam_b1: types.Numeric = 0.9,
+  adam_b2: types.Numeric = 0.999,
+  adam_eps: types.Numeric = 1e-8,
+  adam_weight_decay: types.Numeric = 0.0,
+  adam_weight_decay_mask: types.PerLeaf = None,
   state_memory_kind: Literal["pinned_host"] | None = None,
 ) -> optax.GradientTransformation:
   r"""``torch.optim.Muon`` (PyTorch ≥ 2.9): its arguments, defaults and numbers.
@@ -234,7 +237,7 @@ def torch_muon(
     scale_mode, extra = "spectral", MATCH_RMS_ADAMW_FACTOR
   else:
     scale_mode, extra = "shape_scaling", 1.0
-  layout_args = dict(
+  layout_args: dict[str, Any] = dict(
     dimension_numbers=dimension_numbers,
     split_qkv=split_qkv,
     split_gate_up=split_gate_up,

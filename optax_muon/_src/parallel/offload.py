@@ -8,12 +8,15 @@ leaf to the device where it is used and sends the new one back, inside the
 same jitted program, where XLA schedules each leaf's transfers on its own.
 """
 
+import typing
 from typing import Any
 
 import jax
 import optax
 
-MEMORY_KINDS = ("pinned_host",)
+from optax_muon._src.base import types
+
+MEMORY_KINDS = typing.get_args(types.MemoryKind)
 
 
 def check_memory_kind(memory_kind, name: str = "state_memory_kind") -> None:

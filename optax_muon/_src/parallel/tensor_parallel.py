@@ -37,6 +37,7 @@ all-gathered.
 
 import dataclasses
 import math
+import typing
 from collections.abc import Callable
 from typing import Any
 from typing import ClassVar
@@ -47,9 +48,10 @@ from jax.sharding import PartitionSpec
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
+from optax_muon._src.base import types
 from optax_muon._src.views import layout
 
-MODES = ("blockwise", "duplicated", "distributed", "allgather")
+MODES = typing.get_args(types.TensorParallelMode)
 
 
 @dataclasses.dataclass(frozen=True)

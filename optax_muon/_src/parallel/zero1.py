@@ -7,11 +7,15 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from optax_muon._src.base import paths as _paths
+from optax_muon._src.base import types
 from optax_muon._src.kernels import quantize
 
 
 def zero1_sharding(
-  tree, mesh: jax.sharding.Mesh, axis: str = "data", specs=None
+  tree: Any,
+  mesh: jax.sharding.Mesh,
+  axis: str = "data",
+  specs: types.PerLeaf = None,
 ) -> Any:
   """ZeRO-1: ``NamedSharding``s that also split each leaf over ``axis``.
 

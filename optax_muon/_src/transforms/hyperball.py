@@ -9,6 +9,7 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
+from optax_muon._src.base import types
 from optax_muon._src.kernels.matrices import frobenius
 
 
@@ -21,7 +22,11 @@ def _norm(x: jax.Array) -> jax.Array:
 
 
 def hyperball(
-  learning_rate, *, radius=None, eps=1e-8, weight_decay=0.0
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  radius: types.Numeric | None = None,
+  eps: types.Numeric = 1e-8,
+  weight_decay: types.Numeric = 0.0,
 ) -> optax.GradientTransformation:
   r"""Turns Muon directions into norm-preserving steps (see the module
   docstring for the formula); the last transform of a Muon chain, in place

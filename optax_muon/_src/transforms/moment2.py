@@ -1,6 +1,7 @@
 """The second moment of AdaptiveMuon (NorMuon, AdaMuon, NAMO) on the raw
 Newton–Schulz output; see ``optimizers.adaptive`` for the update."""
 
+import typing
 from typing import Any
 from typing import NamedTuple
 
@@ -10,11 +11,12 @@ import numpy as np
 import optax
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import types
 from optax_muon._src.kernels.matrices import frobenius
 from optax_muon._src.views import layout as layout_lib
 from optax_muon._src.views.layout import from_layout
 
-MOMENT2_METHODS = ("adamuon", "normuon", "namo")
+MOMENT2_METHODS = typing.get_args(types.Moment2Method)
 
 
 _TINY = 1e-30
@@ -42,13 +44,13 @@ def moment2_shape(method: str, count: int, fan_in: int, fan_out: int):
 
 def scale_by_moment2(
   method: str = "adamuon",
-  beta2=0.95,
-  eps=1e-8,
+  beta2: types.Numeric = 0.95,
+  eps: types.Numeric = 1e-8,
   *,
-  dimension_numbers=None,
-  split_qkv=None,
-  layout=None,
-  split_gate_up=None,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  layout: Any = None,
+  split_gate_up: types.PerLeaf = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Normalizes orthogonalized updates by a running second moment.
 

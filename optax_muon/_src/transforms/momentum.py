@@ -2,6 +2,7 @@
 
 import functools
 import math
+import typing
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -11,11 +12,12 @@ import jax.numpy as jnp
 import optax
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import types
 from optax_muon._src.kernels import quantize
 from optax_muon._src.kernels.quantize import QuantizedMomentum
 from optax_muon._src.parallel import waves
 
-MOMENTUM_STYLES = ("ema", "sgd")
+MOMENTUM_STYLES = typing.get_args(types.MomentumStyle)
 
 
 class MomentumState(NamedTuple):
@@ -98,11 +100,11 @@ def _quantized_task(g, stored, config, step, finish) -> waves.Task:
 
 
 def momentum(
-  beta=0.95,
+  beta: types.Numeric = 0.95,
   *,
   nesterov: bool = True,
   style: str = "ema",
-  dtype=None,
+  dtype: types.MomentumDtype = None,
   bias_correction: bool = False,
   memory_budget: int | None = None,
 ) -> optax.GradientTransformation:

@@ -16,6 +16,7 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
+from optax_muon._src.base import types
 from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import coefficients as coefficients_lib
 from optax_muon._src.kernels import matrices
@@ -23,20 +24,21 @@ from optax_muon._src.kernels import newton_schulz as ns
 from optax_muon._src.parallel import sharded
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel import waves
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.views import layout
 
 
 def orthogonalize(
   *,
-  coefficients="quintic",
-  steps=5,
+  coefficients: types.Coefficients = "quintic",
+  steps: types.Steps = 5,
   precision: str = "highest",
   method: str = "standard",
-  dimension_numbers=None,
-  split_qkv=None,
-  split_gate_up=None,
-  sharding=None,
-  eps=1e-30,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  split_gate_up: types.PerLeaf = None,
+  sharding: TensorParallel | None = None,
+  eps: types.Numeric = 1e-30,
   preconditioning: str = "frobenius",
   add_eps: bool = False,
   memory_budget: int | None = None,

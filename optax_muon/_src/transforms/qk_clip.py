@@ -12,6 +12,7 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
+from optax_muon._src.base import types
 from optax_muon._src.kernels.qk import WIDTHS
 from optax_muon._src.kernels.qk import by_column
 from optax_muon._src.kernels.qk import check_clip
@@ -137,7 +138,10 @@ def _layers(attention: Mapping[str, Mapping[str, Any]]) -> list[_Layer]:
 
 
 def qk_clip(
-  threshold=100.0, alpha=0.5, *, attention
+  threshold: types.Numeric = 100.0,
+  alpha: types.Numeric = 0.5,
+  *,
+  attention: Mapping[str, Mapping[str, Any]],
 ) -> optax.GradientTransformationExtraArgs:
   r"""QK-clip as the last transform of a chain (Megatron-Core's MuonClip).
 

@@ -2,6 +2,7 @@
 
 import logging
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -9,11 +10,13 @@ import numpy as np
 import optax
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import types
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import scaling
 from optax_muon._src.views import layout
 
-SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+SCALE_MODES = typing.get_args(types.ScaleMode)
 
 
 def scale_factor(fan_out: int, fan_in: int, mode: str = "spectral") -> float:
@@ -68,10 +71,10 @@ def adamw_rms_match_factor(beta1: float | jax.Array) -> float | jax.Array:
 def scale_by_shape(
   mode: str = "spectral",
   *,
-  dimension_numbers=None,
-  split_qkv=None,
-  sharding=None,
-  split_gate_up=None,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  sharding: TensorParallel | None = None,
+  split_gate_up: types.PerLeaf = None,
 ) -> optax.GradientTransformation:
   r"""Scales each matrix of the updates by ``scale_factor`` of its shape.
 

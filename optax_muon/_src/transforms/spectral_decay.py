@@ -4,13 +4,17 @@ import jax
 import optax
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import types
 from optax_muon._src.kernels.spectral import check_share
 from optax_muon._src.kernels.spectral import spectral_clipped_weight_decay
 from optax_muon._src.views import layout as layout_lib
 
 
 def add_spectral_clipped_weight_decay(
-  beta=1.0, c=0.5, *, dimension_numbers=None
+  beta: types.Numeric = 1.0,
+  c: types.Numeric = 0.5,
+  *,
+  dimension_numbers: types.PerLeaf = None,
 ) -> optax.GradientTransformation:
   """Adds ``spectral_clipped_weight_decay(p) − p`` to each update, after the
   learning rate (the parameter moves as EO's decay moves it).

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from optax_muon._src.base import paths as _paths
 
@@ -57,7 +58,7 @@ def is_float(leaf) -> bool:
 
 
 def default_labels(
-  params,
+  params: optax.Params,
   *,
   adam_patterns: Sequence[str] = (),
   muon_patterns: Sequence[str] = (),
