@@ -13,10 +13,10 @@ state (optax's own ``MuonState`` inside the same ``optax.partition``), so an
     tx = optax_muon.compat.muon(3e-4)      # after
 
 It is built from optax_muon's transforms: the Newton–Schulz of same-shape
-matrices runs as one batched loop (0.86–1.03× optax's update time on a
-2-core CPU, where both are near the matmul rate), and three keyword-only
-extras open the rest of the package: ``sharding``
-(a ``TensorParallel``), ``method="gram"`` and ``precision``.
+matrices runs as one batched loop (its speed against optax's:
+docs/performance.md), and three keyword-only extras open the rest of the
+package: ``sharding`` (a ``TensorParallel``), ``method="gram"`` and
+``precision``.
 
 Deliberate differences, each a case where optax loses information:
 - the iteration runs in fp32 (complex64) whatever the param dtype (optax runs

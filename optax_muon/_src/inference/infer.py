@@ -342,6 +342,17 @@ def infer_layout(
 
   Raises:
     ValueError: a module without inputs, or ``wrt`` without a module.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_muon as om
+    >>> def model(params, x):  # an einsum kernel (in, heads, head_dim)
+    ...   return jnp.einsum("bd,dhk->bhk", x, params["query"]).sum(-1) @ params["out"]
+    >>> params = {"query": jnp.ones((8, 2, 4)), "out": jnp.ones((2, 8))}
+    >>> layout = om.infer_layout(model, params, jnp.ones((3, 8)))
+    >>> layout.roles["query"], layout.roles["out"]
+    ('matrix', 'head')
+    >>> layout.dimension_numbers["query"]
+    MuonDimensionNumbers(reduction_axis=(0,), output_axis=(1, 2))
   """
   _check_call(fn, params, output)
   if _is_nnx_module(fn):

@@ -198,6 +198,15 @@ def adaptive_muon(
   Returns:
     An ``optax.GradientTransformation``.
 
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_muon as om
+    >>> params = {"hidden": jnp.ones((16, 32))}
+    >>> tx = om.adaptive_muon(0.02, moment2_method="normuon")
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(params, state, params)
+    >>> updates["hidden"].shape
+    (16, 32)
+
   References:
     NVIDIA emerging-optimizers 0.3.0, ``AdaptiveMuon``;
     Megatron-Core ``optimizer="adaptive_muon"``

@@ -63,6 +63,16 @@ def muon_hyperball(
   Returns:
     An ``optax.GradientTransformation``.
 
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_muon as om
+    >>> params = {"hidden": jax.random.normal(jax.random.key(0), (16, 32))}
+    >>> tx = om.muon_hyperball(0.05)
+    >>> grads = {"hidden": jax.random.normal(jax.random.key(1), (16, 32))}
+    >>> updates, _ = tx.update(grads, tx.init(params), params)
+    >>> new = optax.apply_updates(params, updates)
+    >>> bool(jnp.isclose(jnp.linalg.norm(new["hidden"]), jnp.linalg.norm(params["hidden"])))
+    True
+
   References:
     NVIDIA emerging-optimizers 0.3.0, ``MuonHyperball``
   """

@@ -205,6 +205,17 @@ def muon(
   Returns:
     An ``optax.GradientTransformation`` (``optax.partition`` of the two).
 
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_muon as om
+    >>> params = {"hidden": jnp.ones((16, 32)), "bias": jnp.zeros(32)}
+    >>> grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(0), p.shape), params)
+    >>> tx = om.muon(0.02, weight_decay=0.1)
+    >>> updates, state = tx.update(grads, tx.init(params), params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> sigma = jnp.linalg.svd(updates["hidden"], compute_uv=False)
+    >>> bool(jnp.all(jnp.abs(sigma / sigma.max() - 1) < 0.35))  # orthogonalized
+    True
+
   References:
     Jordan et al., `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024
   """

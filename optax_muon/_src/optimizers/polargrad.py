@@ -147,6 +147,14 @@ def polargrad(
 
   Returns:
     An ``optax.GradientTransformation``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_muon as om
+    >>> params = {"hidden": jnp.ones((16, 32))}
+    >>> tx = om.polargrad(0.02)
+    >>> updates, _ = tx.update(params, tx.init(params), params)
+    >>> updates["hidden"].dtype == params["hidden"].dtype
+    True
   """
   labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
   direction = scale_by_polargrad(

@@ -55,6 +55,14 @@ def scion(
   Raises:
     ValueError: for one of the arguments Scion fixes.
 
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_muon as om
+    >>> params = {"hidden": jnp.ones((16, 32)), "embed": jnp.ones((64, 16))}
+    >>> tx = om.scion(0.02, labels={"hidden": "muon", "embed": "adam"})
+    >>> updates, _ = tx.update(params, tx.init(params), params)
+    >>> sorted(updates)
+    ['embed', 'hidden']
+
   References:
     Pethick et al., `Training Deep Learning Models with Norm-Constrained
     LMOs <https://arxiv.org/abs/2502.07529>`_, 2025;

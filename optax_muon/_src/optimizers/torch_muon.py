@@ -168,12 +168,10 @@ def torch_muon(
   biases to AdamW with the ``adam_*`` settings), and the keyword-only
   arguments are ``om.muon``'s.
 
-  Measured against torch 2.13.0 (``tests/test_torch_muon.py``, five steps
-  on three matrices): 0.56% of torch's displacement at ``precision="bf16"``
-  (an fp32 iteration: 0.85%). The bf16 iteration amplifies the last bit of
-  each matmul's fp32 sum, and XLA sums in another order than torch: torch
-  with exactly rounded sums is itself 0.19% from torch. With
-  ``precision="highest"`` it equals torch's algorithm re-run in fp32 to 1e-5.
+  Its weights stay within bf16's own rounding of torch's (the figures, and
+  why no bf16 implementation with another summation order comes closer:
+  docs/guide.md, "Migrating from torch.optim.Muon"); with
+  ``precision="highest"`` it equals torch's algorithm re-run in fp32.
   One deliberate difference: the norm is floored at ``eps`` after scaling
   by a power of two, so a gradient of norm below ``eps`` is orthogonalized
   like any other (torch leaves it below unit norm).
@@ -201,6 +199,14 @@ def torch_muon(
   Returns:
     An ``optax.GradientTransformation`` (``optax.partition`` of Muon, AdamW
     and nothing, as ``om.muon``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_muon as om
+    >>> weight = jax.random.normal(jax.random.key(0), (64, 128))  # (out, in)
+    >>> tx = om.compat.torch_muon(lr=0.02, weight_order="out_in")
+    >>> updates, _ = tx.update({"w": weight}, tx.init({"w": weight}), {"w": weight})
+    >>> updates["w"].shape
+    (64, 128)
 
   References:
     `torch.optim.Muon
