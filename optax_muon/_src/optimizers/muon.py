@@ -9,7 +9,7 @@ from optax_muon._src.base import types
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import momentum as momentum_lib
-from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
+from optax_muon._src.transforms import muon_direction
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.scaling import resolve_extra_scale_factor
 from optax_muon._src.views.layout import from_layout
@@ -36,6 +36,7 @@ def scale_by_muon(
   layout: Any = None,
   split_gate_up: types.PerLeaf = None,
   memory_budget: int | None = None,
+  state_memory_kind: types.MemoryKind | None = None,
 ) -> optax.GradientTransformation:
   r"""Muon's direction: momentum, orthogonalized, scaled by shape.
 
@@ -48,7 +49,9 @@ def scale_by_muon(
   with ``extra = extra_scale_factor`` (default 1.0) or, when
   ``match_adamw_update_rms``, ``√((1 − β₁)/(1 + β₁))`` from ``adamw_beta1``.
   This is ``optax.chain(momentum, orthogonalize, scale_by_shape,
-  optax.scale(extra))``; add weight decay and the learning rate (``muon``).
+  optax.scale(extra))`` (its state too), with each leaf's momentum computed
+  inside the wave that orthogonalizes it, so the momentum work keeps to the
+  memory budget; add weight decay and the learning rate (``muon``).
 
   Args:
     beta: momentum coefficient in ``[0, 1)``.
@@ -78,6 +81,8 @@ def scale_by_muon(
       not together with ``dimension_numbers``.
     memory_budget: bytes per device of orthogonalization work in flight
       (``None``: the default, 2 GiB; see ``orthogonalize``).
+    state_memory_kind: ``"pinned_host"``: the momentum in host memory
+      between steps, brought to the device a wave at a time.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -105,26 +110,35 @@ def scale_by_muon(
     split_gate_up=split_gate_up,
     sharding=sharding,
   )
-  return optax.chain(
-    momentum_lib.momentum(
-      beta,
-      nesterov=nesterov,
-      style=momentum_style,
-      dtype=mu_dtype,
-      memory_budget=memory_budget,
-    ),
-    orthogonalize_lib.orthogonalize(
-      coefficients=coefficients,
-      steps=steps,
-      precision=precision,
-      method=method,
-      preconditioning=preconditioning,
-      memory_budget=memory_budget,
-      **layout_args,
-    ),
-    scaling.scale_by_shape(scale_mode, **layout_args),
-    optax.scale(extra),
+  direction = muon_direction.momentum_orthogonalize(
+    beta,
+    nesterov=nesterov,
+    style=momentum_style,
+    dtype=mu_dtype,
+    memory_kind=state_memory_kind,
+    coefficients=coefficients,
+    steps=steps,
+    precision=precision,
+    method=method,
+    preconditioning=preconditioning,
+    memory_budget=memory_budget,
+    **layout_args,
   )
+  # optax.chain(direction, shape, scale) with chain(momentum, orthogonalize)'s
+  # state kept flat: (MomentumState, EmptyState, EmptyState, EmptyState)
+  shape = scaling.scale_by_shape(scale_mode, **layout_args)
+  scale = optax.scale(extra)
+
+  def init_fn(params):
+    return (*direction.init(params), shape.init(params), scale.init(params))
+
+  def update_fn(updates, state, params=None):
+    updates, first = direction.update(updates, state[:2], params)
+    updates, shaped = shape.update(updates, state[2], params)
+    updates, scaled = scale.update(updates, state[3], params)
+    return updates, (*first, shaped, scaled)
+
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def muon(
@@ -158,7 +172,7 @@ def muon(
   layout: Any = None,
   split_gate_up: types.PerLeaf = None,
   memory_budget: int | None = None,
-  state_memory_kind: str | None = None,
+  state_memory_kind: types.MemoryKind | None = None,
 ) -> optax.GradientTransformation:
   r"""Muon for the matrices, AdamW (or Lion) for everything else.
 
@@ -242,6 +256,7 @@ def muon(
     sharding=sharding,
     preconditioning=preconditioning,
     memory_budget=memory_budget,
+    state_memory_kind=state_memory_kind,
   )
   return route(
     direction,
@@ -257,4 +272,5 @@ def muon(
     adam_weight_decay=adam_weight_decay,
     adam_weight_decay_mask=adam_weight_decay_mask,
     state_memory_kind=state_memory_kind,
+    direction_streams=True,
   )

@@ -80,13 +80,22 @@ def route(
   adam_weight_decay_mask=None,
   muon_step=None,
   state_memory_kind: str | None = None,
+  direction_streams: bool = False,
 ) -> optax.GradientTransformation:
   """A Muon-family ``direction`` for the ``"muon"`` leaves, with decoupled
   weight decay and the learning rate (or ``muon_step``, a transform that
   turns the direction into the step itself), beside AdamW (or Lion) for the
   ``"adam"`` leaves and nothing for the ``"none"`` ones, the whole state in
-  ``state_memory_kind`` between steps (see ``muon``)."""
+  ``state_memory_kind`` between steps (see ``muon``): each piece's state is
+  brought to the device for the update, but a ``direction`` that
+  ``direction_streams`` (``scale_by_muon`` built with that memory kind)
+  brings its own a wave at a time."""
   offload.check_memory_kind(state_memory_kind)
+  kept = lambda tx: offload.offload_state(tx, state_memory_kind)
+  if state_memory_kind is None:
+    kept = lambda tx: tx
+  if not direction_streams:
+    direction = kept(direction)
   _check_learning_rate("learning_rate", learning_rate)
   _check_learning_rate("adam_learning_rate", adam_learning_rate, optional=True)
   _checks.check_choice("scalar_optimizer", scalar_optimizer, SCALAR_OPTIMIZERS)
@@ -96,15 +105,17 @@ def route(
   _checks.check_range("adam_b2", adam_b2, 0.0, 1.0)
   _checks.check_range("adam_eps", adam_eps, 0.0, np.inf)
   muon_chain = (
-    optax.chain(direction, muon_step)
+    optax.chain(direction, kept(muon_step))
     if muon_step
     else (
       optax.chain(
         direction,
-        optax.add_decayed_weights(
-          weight_decay, _mask_by_path("weight_decay_mask", weight_decay_mask)
+        kept(
+          optax.add_decayed_weights(
+            weight_decay, _mask_by_path("weight_decay_mask", weight_decay_mask)
+          )
         ),
-        optax.scale_by_learning_rate(learning_rate),
+        kept(optax.scale_by_learning_rate(learning_rate)),
       )
     )
   )
@@ -133,14 +144,11 @@ def route(
       weight_decay=adam_weight_decay,
       mask=scalar_mask,
     )
-  routed = optax.partition(
+  return optax.partition(
     {
       labels_lib.MUON: in_params_dtype(muon_chain),
-      labels_lib.ADAM: scalar_chain,
+      labels_lib.ADAM: kept(scalar_chain),
       labels_lib.NONE: optax.set_to_zero(),
     },
     labels_lib.label_fn(labels),
   )
-  if state_memory_kind is None:
-    return routed
-  return offload.offload_state(routed, state_memory_kind)

@@ -58,8 +58,16 @@ def orthogonalize_sharded(
   specs,
   solver: batched.Solver,
   memory_budget: int | None = None,
+  states=None,
+  step=None,
 ):
   """Orthogonalizes ``leaves`` (global arrays) under ``tp``; see the module.
+
+  With ``states`` (per leaf, its state arrays, sharded like it: the
+  momentum, or an 8-bit one's values and scales) each leaf is first computed
+  inside its task from its gradient and state, ``step(g, arrays) -> (input,
+  new arrays)`` (``waves.with_state``): on the local block, before any
+  gather, as the step is elementwise within a shard.
 
   Args:
     leaves: the Muon leaves.
@@ -70,8 +78,10 @@ def orthogonalize_sharded(
     memory_budget: bytes per device (``None``: the default budget).
 
   Returns:
-    The orthogonalized leaves, sharded like the inputs.
+    The orthogonalized leaves, sharded like the inputs; with ``states``,
+    ``(leaves, new states)``.
   """
+  counts = [0] * len(leaves) if states is None else [len(a) for a in states]
   budget = waves.resolve(memory_budget)
   in_specs = tuple(PartitionSpec(*[a or None for a in spec]) for spec in specs)
   solvers = {
@@ -85,10 +95,25 @@ def orthogonalize_sharded(
   }
 
   def body(*local_leaves):
+    local_states = iter(local_leaves[len(leaves) :])
+    local_leaves = local_leaves[: len(leaves)]
+    own_states = [[next(local_states) for _ in range(n)] for n in counts]
     results: list[Any] = [None] * len(local_leaves)
+    new_states: list[Any] = [None] * len(local_leaves)
+    finish_states = {}
     by_mode: dict[str, list[Leaf]] = {mode: [] for mode in PLANNERS}
     for index, (x, view, spec) in enumerate(zip(local_leaves, views, specs)):
       x, gathered = _gather_other_axes(x, view, spec, tp)
+      own_states[index] = [
+        _gather_other_axes(a, view, spec, tp)[0] for a in own_states[index]
+      ]
+
+      def finish_state(arrays, gathered=gathered, index=index):
+        for name, dim in reversed(gathered):
+          arrays = [own_chunk(a, name, dim) for a in arrays]
+        new_states[index] = arrays
+
+      finish_states[id(x)] = (index, finish_state)
       tp_dims = [
         d for d in view.reduction_axes + view.output_axes if tp.axis in spec[d]
       ]
@@ -109,9 +134,40 @@ def orthogonalize_sharded(
       for mode, planner in PLANNERS.items()
       for task in planner(by_mode[mode], tp, budget)
     ]
+    if states is not None:
+      tasks = [
+        _with_states(task, own_states, finish_states, step) for task in tasks
+      ]
     waves.run(tasks, budget, solvers)
-    return tuple(results)
+    return tuple(results) + tuple(a for arrays in new_states for a in arrays)
 
-  return jax.shard_map(
-    body, mesh=tp.mesh, in_specs=in_specs, out_specs=in_specs, check_vma=False
-  )(*leaves)
+  state_specs = tuple(
+    spec for spec, n in zip(in_specs, counts) for _ in range(n)
+  )
+  flat_states = (
+    [] if states is None else [a for arrays in states for a in arrays]
+  )
+  out = jax.shard_map(
+    body,
+    mesh=tp.mesh,
+    in_specs=in_specs + state_specs,
+    out_specs=in_specs + state_specs,
+    check_vma=False,
+  )(*leaves, *flat_states)
+  if states is None:
+    return out
+  rest = iter(out[len(leaves) :])
+  return list(out[: len(leaves)]), [
+    [next(rest) for _ in range(n)] for n in counts
+  ]
+
+
+def _with_states(task, own_states, finish_states, step):
+  """``task`` with the states of the leaves it reads (``waves.with_state``)."""
+  found = [finish_states[id(x)] for x in task.inputs]
+  return waves.with_state(
+    task,
+    [own_states[index] for index, _ in found],
+    step,
+    [finish for _, finish in found],
+  )

@@ -138,6 +138,63 @@ def view_task(x, view_of, finish, solver) -> Task:
   )
 
 
+def with_state(task: Task, states, step, finish_states) -> Task:
+  """``task`` that first computes its inputs, each from its leaf's gradient
+  and state, inside its own wave (a part at a time when split):
+  ``step(g, state_arrays) -> (input, new_state_arrays)``; each leaf's new
+  state arrays go to its ``finish_states`` callable. So a leaf's state is
+  read (from host memory, or 8 bits) only in its wave, never all at once.
+
+  Args:
+    task: a task whose inputs are the leaves' gradients.
+    states: per input of ``task``, its leaf's state arrays (of the leaf's
+      shape, or differing in the last axis only).
+    step: the state's update (the momentum's).
+    finish_states: per input, a callable receiving the new state arrays.
+  """
+  own = len(task.inputs)
+  counts = [len(arrays) for arrays in states]
+  flat = [array for arrays in states for array in arrays]
+
+  def prepare(inputs):
+    rest = iter(inputs[own:])
+    stepped = [
+      step(x, [next(rest) for _ in range(n)])
+      for x, n in zip(inputs[:own], counts)
+    ]
+    matrices, context = task.prepare([u for u, _ in stepped])
+    return matrices, (context, [a for _, new in stepped for a in new])
+
+  def restore(matrices, context_and_states):
+    context, new_states = context_and_states
+    return [*task.restore(matrices, context), *new_states]
+
+  def finish(outputs):
+    task.finish(outputs[:own])
+    rest = iter(outputs[own:])
+    for n, done in zip(counts, finish_states):
+      done([next(rest) for _ in range(n)])
+
+  axis = task.axis
+  if axis is not None and any(
+    a.ndim <= axis + 1 and a.shape != task.inputs[0].shape for a in flat
+  ):
+    axis = None  # a part must hold whole blocks of every state array
+  # the state in and out, and the step's float32 temporaries
+  extra = sum(2 * a.size * a.dtype.itemsize for a in flat) + sum(
+    12 * x.size for x in task.inputs
+  )
+  return dataclasses.replace(
+    task,
+    inputs=[*task.inputs, *flat],
+    prepare=prepare,
+    restore=restore,
+    finish=finish,
+    bytes=task.bytes + extra,
+    axis=axis,
+  )
+
+
 def _part_size(count: int, fit: int, unit: int) -> int:
   """The largest divisor of ``count`` that is at most ``fit`` (at least 1),
   a multiple of ``unit`` where one is."""

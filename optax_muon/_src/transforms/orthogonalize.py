@@ -7,6 +7,7 @@ then put back.
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -88,6 +89,40 @@ def orthogonalize(
     Jordan et al., `Muon: An optimizer for hidden layers in neural networks
     <https://kellerjordan.github.io/posts/muon/>`_, 2024
   """
+  return orthogonalizer(
+    coefficients=coefficients,
+    steps=steps,
+    precision=precision,
+    method=method,
+    dimension_numbers=dimension_numbers,
+    split_qkv=split_qkv,
+    split_gate_up=split_gate_up,
+    sharding=sharding,
+    eps=eps,
+    preconditioning=preconditioning,
+    add_eps=add_eps,
+    memory_budget=memory_budget,
+  )[0]
+
+
+def orthogonalizer(
+  *,
+  coefficients: types.Coefficients = "quintic",
+  steps: types.Steps = 5,
+  precision: str = "highest",
+  method: str = "standard",
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  split_gate_up: types.PerLeaf = None,
+  sharding: TensorParallel | None = None,
+  eps: types.Numeric = 1e-30,
+  preconditioning: str = "frobenius",
+  add_eps: bool = False,
+  memory_budget: int | None = None,
+) -> tuple[optax.GradientTransformation, Callable]:
+  """``orthogonalize``'s transform and its ``run(updates, states=None,
+  step=None)``, which the fused momentum (``muon_direction``) calls with the
+  momentum's state so that each leaf's momentum is computed in its wave."""
   table, mode = coefficients_lib.resolve_coefficients(coefficients)
   _checks.check_int("steps", steps, minimum=1)
   _checks.check_choice("precision", precision, matrices.PRECISIONS)
@@ -147,21 +182,31 @@ def orthogonalize(
       sharding.leaf_specs(params)  # and bad specs here
     return optax.EmptyState()
 
-  def update_fn(updates, state, params=None):
-    del params
+  def run(updates, states=None, step=None):
+    """The orthogonalized ``updates``; with ``states`` (per leaf, a list of
+    state arrays) and ``step``, each leaf first computed from its gradient
+    and state inside its wave (``waves.with_state``), and also the new
+    states."""
     views = resolve_views(updates)
     check_dtypes(views)
+    leaves = [leaf for _, leaf, _ in views]
+    treedef = jax.tree.structure(updates)
     if sharding is not None:
-      leaves = sharded.orthogonalize_sharded(
-        [leaf for _, leaf, _ in views],
+      out = sharded.orthogonalize_sharded(
+        leaves,
         [view for _, _, view in views],
         sharding,
         sharding.leaf_specs(updates),
         solver,
         budget,
+        states,
+        step,
       )
-      return jax.tree.unflatten(jax.tree.structure(updates), leaves), state
+      if states is None:
+        return jax.tree.unflatten(treedef, out), None
+      return jax.tree.unflatten(treedef, out[0]), out[1]
     new_leaves: list[Any] = [None] * len(views)
+    new_states: list[Any] = [None] * len(views)
     tasks = [
       waves.view_task(
         leaf,
@@ -171,12 +216,24 @@ def orthogonalize(
       )
       for i, (_, leaf, view) in enumerate(views)
     ]
+    if states is not None:
+      tasks = [
+        waves.with_state(
+          task, [states[i]], step, [lambda a, i=i: new_states.__setitem__(i, a)]
+        )
+        for i, task in enumerate(tasks)
+      ]
     waves.run(
       tasks,
       budget,
       {"local": lambda ms: batched.orthogonalize_matrices(ms, solver)},
     )
-    treedef = jax.tree.structure(updates)
-    return jax.tree.unflatten(treedef, new_leaves), state
+    return jax.tree.unflatten(treedef, new_leaves), (
+      None if states is None else new_states
+    )
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  def update_fn(updates, state, params=None):
+    del params
+    return run(updates)[0], state
+
+  return optax.GradientTransformation(init_fn, update_fn), run

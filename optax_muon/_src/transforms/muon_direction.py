@@ -1,0 +1,99 @@
+"""Muon's momentum and orthogonalization as one transform (``scale_by_muon``'s
+first two steps).
+
+``optax.chain(momentum, orthogonalize)`` computes every leaf's momentum
+before the first Newton–Schulz wave: the compiler then holds all the
+updates ``u`` at once (and, for an 8-bit momentum, every leaf dequantized to
+float32). Here each leaf's momentum is computed inside the task that
+orthogonalizes it (``waves.with_state``), a part at a time for a split
+stack, so the momentum work follows the memory budget: an 8-bit buffer is
+dequantized a part at a time and a buffer kept in host memory
+(``memory_kind="pinned_host"``) comes to the device a wave at a time.
+The numbers are the chain's; the state is the chain's, ``(MomentumState,
+EmptyState)``.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_muon._src.kernels import quantize
+from optax_muon._src.parallel import offload
+from optax_muon._src.transforms import momentum as momentum_lib
+from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
+
+
+def _ema_step(g, m, weight, beta, nesterov):
+  """``(update, new buffer)`` from a gradient and the old buffer."""
+  new = weight * g + beta * m
+  return (weight * g + beta * new if nesterov else new), new
+
+
+def momentum_orthogonalize(
+  beta,
+  *,
+  nesterov: bool,
+  style: str,
+  dtype,
+  memory_kind: str | None = None,
+  **orthogonalize_kwargs: Any,
+) -> optax.GradientTransformation:
+  """``optax.chain(momentum(beta, nesterov, style, dtype),
+  orthogonalize(**orthogonalize_kwargs))`` with each leaf's momentum
+  computed in its wave; the state optionally in ``memory_kind`` (see the
+  module)."""
+  offload.check_memory_kind(memory_kind)
+  budget = orthogonalize_kwargs.get("memory_budget")
+  # checks its arguments and makes the state
+  momentum = momentum_lib.momentum(
+    beta, nesterov=nesterov, style=style, dtype=dtype, memory_budget=budget
+  )
+  orthogonalize, run = orthogonalize_lib.orthogonalizer(**orthogonalize_kwargs)
+  quantized = isinstance(dtype, quantize.QuantizedMomentum)
+  weight = (lambda: 1.0 - beta) if style == "ema" else (lambda: 1.0)
+
+  def init_fn(params):
+    state = momentum.init(params)
+    empty = orthogonalize.init(params)
+    if memory_kind is not None:
+      state = offload.to_host(state)
+    return state, empty
+
+  def step(g, arrays):
+    if memory_kind is not None:  # this leaf's buffer, now, for its wave
+      arrays = offload.to_device(arrays)
+    if quantized:
+      old = quantize.QuantizedArray(*arrays)
+      previous = quantize.dequantize(old, dtype)
+      work = jnp.float32
+    else:
+      previous = arrays[0]
+      work = jnp.result_type(g, previous)
+    update, new = _ema_step(
+      g.astype(work), previous.astype(work), weight(), beta, nesterov
+    )
+    if quantized:
+      stored = quantize.quantize(new, old, dtype)
+      new_arrays = [stored.values, stored.scales]
+    else:
+      new_arrays = [new.astype(arrays[0].dtype)]
+    if memory_kind is not None:
+      new_arrays = offload.to_host(new_arrays)
+    return update.astype(g.dtype), new_arrays
+
+  def update_fn(updates, state, params=None):
+    del params
+    momentum_state, empty = state
+    grads, treedef = jax.tree.flatten(updates)
+    buffers = treedef.flatten_up_to(momentum_state.mu)
+    arrays = [[b.values, b.scales] if quantized else [b] for b in buffers]
+    out, new_arrays = run(updates, arrays, step)
+    mu = [
+      quantize.QuantizedArray(*a) if quantized else a[0] for a in new_arrays
+    ]
+    new_state = momentum_state._replace(mu=treedef.unflatten(mu))
+    return out, (new_state, empty)
+
+  return optax.GradientTransformation(init_fn, update_fn)
