@@ -23,6 +23,7 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
+from optax_muon._src.base import types
 from optax_muon._src.config import overrides as overrides_lib
 from optax_muon._src.kernels import coefficients
 from optax_muon._src.kernels import matrices
@@ -113,15 +114,15 @@ class MuonConfig:
   muon_nesterov: bool = False
   muon_split_qkv: bool = True
   muon_split_gate_up: bool = True
-  muon_scale_mode: str = "spectral"
+  muon_scale_mode: types.ScaleMode = "spectral"
   muon_coefficient_type: str = "quintic"
   muon_num_ns_steps: int = 5
-  muon_tp_mode: str | None = None
-  muon_fp32_matmul_prec: str = "medium"
+  muon_tp_mode: types.TensorParallelMode | None = None
+  muon_fp32_matmul_prec: types.Precision = "medium"
   muon_extra_scale_factor: float | None = None
-  muon_scalar_optimizer: str = "adam"
+  muon_scalar_optimizer: types.ScalarOptimizer = "adam"
   muon_match_adamw_update_rms: bool = False
-  muon_momentum_style: str = "ema"
+  muon_momentum_style: types.MomentumStyle = "ema"
   muon_memory_budget: int | None = None
   muon_momentum_bits: int | None = None
   muon_momentum_block_size: int = 256
@@ -129,7 +130,7 @@ class MuonConfig:
   qk_clip: bool = False
   qk_clip_threshold: float = 100.0
   qk_clip_alpha: float = 0.5
-  adaptive_muon_moment2_method: str = "adamuon"
+  adaptive_muon_moment2_method: types.Moment2Method = "adamuon"
   adaptive_muon_beta2: float = 0.95
   adaptive_muon_eps: float = 1e-8
 
@@ -248,7 +249,7 @@ class MuonConfig:
     return float(self.muon_extra_scale_factor)
 
   @property
-  def tp_mode(self) -> str:
+  def tp_mode(self) -> types.TensorParallelMode:
     """``muon_tp_mode``, or Megatron's ``"blockwise"`` when unset."""
     return self.muon_tp_mode or "blockwise"
 

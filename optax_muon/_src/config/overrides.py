@@ -113,6 +113,8 @@ def coerce(name: str, value: Any, hint) -> Any:
     return tuple(
       coerce(f"{name}[{i}]", v, t) for i, (v, t) in enumerate(zip(value, args))
     )
+  if typing.get_origin(hint) is typing.Literal:  # MuonConfig checks the choice
+    hint = str
   if hint is str:
     if not isinstance(value, str):
       raise ValueError(f"{name}={value!r} is not a string")

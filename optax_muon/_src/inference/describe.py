@@ -26,11 +26,11 @@ def describe(
   split_qkv: types.PerLeaf = None,
   split_gate_up: types.PerLeaf = None,
   layout: Any = None,
-  scale_mode: str = "spectral",
+  scale_mode: types.ScaleMode = "spectral",
   match_adamw_update_rms: bool = False,
   extra_scale_factor: types.Numeric | None = None,
   adam_b1: types.Numeric = 0.9,
-  moment2_method: str | None = None,
+  moment2_method: types.Moment2Method | None = None,
 ) -> str:
   """The routing table for the given ``om.muon`` settings (defaults
   included): what each leaf gets before training starts.

@@ -51,11 +51,11 @@ class Solver:
   table: np.ndarray
   mode: str
   steps: Any
-  precision: str
+  precision: types.Precision
   eps: Any  # a float, or traced
-  preconditioning: str = "frobenius"
+  preconditioning: types.Preconditioning = "frobenius"
   add_eps: bool = False
-  method: str = "standard"
+  method: types.Method = "standard"
 
 
 def _chunks(groups, sizes, ranks: int = 1):

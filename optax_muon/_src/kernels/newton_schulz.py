@@ -28,7 +28,7 @@ def normalize(
   eps: float,
   axis_name=None,
   add_eps: bool = False,
-  precision: str = "highest",
+  precision: types.Precision = "highest",
 ) -> jax.Array:
   """``x / max(‖x‖_F, eps)`` per matrix, safe over the whole fp32 range.
 
@@ -121,7 +121,7 @@ def precondition(
   x: jax.Array,
   preconditioning: str,
   eps: float,
-  precision: str,
+  precision: types.Precision,
   axis_name=None,
   add_eps: bool = False,
 ) -> jax.Array:
@@ -153,7 +153,7 @@ def precondition_and_iterate(
   table: np.ndarray,
   mode: str,
   steps,
-  precision: str,
+  precision: types.Precision,
   preconditioning: str,
   eps: float,
   add_eps: bool = False,
@@ -194,7 +194,7 @@ def iterate(
   table: np.ndarray,
   mode: str,
   steps,
-  precision: str,
+  precision: types.Precision,
   axis_name=None,
   rescale: str | None = None,
   eps: float = 0.0,
@@ -247,7 +247,7 @@ def newton_schulz(
   *,
   coefficients: types.Coefficients = "quintic",
   steps: types.Steps = 5,
-  precision: str = "highest",
+  precision: types.Precision = "highest",
   eps: float = 1e-30,
 ) -> jax.Array:
   r"""Approximately orthogonalizes each matrix of ``x`` (its polar factor).

@@ -37,7 +37,7 @@ def muon_hyperball(
   labels: types.PerLeaf = None,
   dimension_numbers: types.PerLeaf = None,
   layout: Any = None,
-  scalar_optimizer: str = "adam",
+  scalar_optimizer: types.ScalarOptimizer = "adam",
   adam_learning_rate: optax.ScalarOrSchedule | None = None,
   adam_b1: types.Numeric = 0.9,
   adam_b2: types.Numeric = 0.999,

@@ -105,12 +105,12 @@ def orthogonalize_via_newton_schulz(
   x: jax.Array,
   ns_coeffs: jax.Array,
   ns_steps: types.Steps = 5,
-  preconditioning: str = "frobenius",
+  preconditioning: types.Preconditioning = "frobenius",
   eps: types.Numeric = 1e-8,
   dimension_numbers: MuonDimensionNumbers | None = None,
   *,
-  method: str = "standard",
-  precision: str = "high",
+  method: types.Method = "standard",
+  precision: types.Precision = "high",
 ) -> jax.Array:
   r"""``optax.contrib.orthogonalize_via_newton_schulz`` on optax_muon's kernel.
 
@@ -166,11 +166,11 @@ def scale_by_muon(
   *,
   nesterov: bool = True,
   adaptive: bool = False,
-  preconditioning: str = "frobenius",
+  preconditioning: types.Preconditioning = "frobenius",
   weight_dimension_numbers: types.PerLeaf = None,
   sharding: sharding_lib.TensorParallel | None = None,
-  method: str = "standard",
-  precision: str = "high",
+  method: types.Method = "standard",
+  precision: types.Precision = "high",
   memory_budget: int | None = None,
 ) -> optax.GradientTransformation:
   r"""``optax.contrib.scale_by_muon``: bias-corrected momentum, orthogonalized.
@@ -333,7 +333,7 @@ def muon(
   *,
   nesterov: bool = True,
   adaptive: bool = False,
-  preconditioning: str = "frobenius",
+  preconditioning: types.Preconditioning = "frobenius",
   adam_b1: types.Numeric = 0.9,
   adam_b2: types.Numeric = 0.999,
   adam_eps_root: types.Numeric = 0.0,
@@ -342,8 +342,8 @@ def muon(
   muon_weight_dimension_numbers: types.PerLeaf = None,
   consistent_rms: types.Numeric | None = None,
   sharding: sharding_lib.TensorParallel | None = None,
-  method: str = "standard",
-  precision: str = "high",
+  method: types.Method = "standard",
+  precision: types.Precision = "high",
   memory_budget: int | None = None,
   state_memory_kind: str | None = None,
 ) -> optax.GradientTransformation:

@@ -71,7 +71,7 @@ def route(
   weight_decay=0.0,
   weight_decay_mask=None,
   labels=None,
-  scalar_optimizer: str = "adam",
+  scalar_optimizer: types.ScalarOptimizer = "adam",
   adam_learning_rate=None,
   adam_b1=0.9,
   adam_b2=0.999,

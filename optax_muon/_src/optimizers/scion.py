@@ -25,7 +25,7 @@ def scion(
   spectral_radius: types.Numeric = 1.0,
   coefficients: types.Coefficients = "quintic",
   steps: types.Steps = 5,
-  precision: str = "highest",
+  precision: types.Precision = "highest",
   **muon_kwargs,
 ) -> optax.GradientTransformation:
   r"""Scion (emerging-optimizers' constrained form) for the matrices, AdamW

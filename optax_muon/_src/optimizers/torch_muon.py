@@ -239,6 +239,7 @@ def torch_muon(
         "pass one of them (weight_order='in_out' with a layout)"
       )
     dimension_numbers = _out_in
+  scale_mode: types.ScaleMode
   if adjust_lr_fn == "match_rms_adamw":
     scale_mode, extra = "spectral", MATCH_RMS_ADAMW_FACTOR
   else:

@@ -73,7 +73,7 @@ class TensorParallel:
   MODES: ClassVar[tuple[str, ...]] = MODES
   mesh: jax.sharding.Mesh
   axis: str = "model"
-  mode: str = "duplicated"
+  mode: types.TensorParallelMode = "duplicated"
   specs: Any = None
   distribute_over: str | None = None
 

@@ -103,7 +103,7 @@ def momentum(
   beta: types.Numeric = 0.95,
   *,
   nesterov: bool = True,
-  style: str = "ema",
+  style: types.MomentumStyle = "ema",
   dtype: types.MomentumDtype = None,
   bias_correction: bool = False,
   memory_budget: int | None = None,

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_muon._src.base import types
 from optax_muon._src.kernels import quantize
 from optax_muon._src.parallel import offload
 from optax_muon._src.transforms import momentum as momentum_lib
@@ -35,7 +36,7 @@ def momentum_orthogonalize(
   beta,
   *,
   nesterov: bool,
-  style: str,
+  style: types.MomentumStyle,
   dtype,
   memory_kind: str | None = None,
   **orthogonalize_kwargs: Any,

@@ -19,7 +19,9 @@ from optax_muon._src.views import layout
 SCALE_MODES = typing.get_args(types.ScaleMode)
 
 
-def scale_factor(fan_out: int, fan_in: int, mode: str = "spectral") -> float:
+def scale_factor(
+  fan_out: int, fan_in: int, mode: types.ScaleMode = "spectral"
+) -> float:
   """The factor an orthogonalized ``fan_in × fan_out`` update is scaled by.
 
   * ``"spectral"``: ``√max(fan_out, fan_in)`` (Megatron-Core default; with
@@ -69,7 +71,7 @@ def adamw_rms_match_factor(beta1: float | jax.Array) -> float | jax.Array:
 
 
 def scale_by_shape(
-  mode: str = "spectral",
+  mode: types.ScaleMode = "spectral",
   *,
   dimension_numbers: types.PerLeaf = None,
   split_qkv: types.PerLeaf = None,
