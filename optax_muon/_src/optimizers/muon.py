@@ -6,10 +6,12 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.kernels import quantize
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import momentum as momentum_lib
 from optax_muon._src.transforms import muon_direction
+from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.scaling import resolve_extra_scale_factor
 from optax_muon._src.views.layout import from_layout
@@ -49,9 +51,11 @@ def scale_by_muon(
   with ``extra = extra_scale_factor`` (default 1.0) or, when
   ``match_adamw_update_rms``, ``√((1 − β₁)/(1 + β₁))`` from ``adamw_beta1``.
   This is ``optax.chain(momentum, orthogonalize, scale_by_shape,
-  optax.scale(extra))`` (its state too), with each leaf's momentum computed
-  inside the wave that orthogonalizes it, so the momentum work keeps to the
-  memory budget; add weight decay and the learning rate (``muon``).
+  optax.scale(extra))`` (its state too); with an 8-bit momentum or
+  ``state_memory_kind``, each leaf's momentum is computed inside the wave
+  that orthogonalizes it (``transforms.muon_direction``), so its float32
+  work and its transfers keep to the memory budget. Add weight decay and the
+  learning rate (``muon``).
 
   Args:
     beta: momentum coefficient in ``[0, 1)``.
@@ -110,12 +114,7 @@ def scale_by_muon(
     split_gate_up=split_gate_up,
     sharding=sharding,
   )
-  direction = muon_direction.momentum_orthogonalize(
-    beta,
-    nesterov=nesterov,
-    style=momentum_style,
-    dtype=mu_dtype,
-    memory_kind=state_memory_kind,
+  orthogonalize_args: dict[str, Any] = dict(
     coefficients=coefficients,
     steps=steps,
     precision=precision,
@@ -124,6 +123,22 @@ def scale_by_muon(
     memory_budget=memory_budget,
     **layout_args,
   )
+  momentum_args: dict[str, Any] = dict(
+    nesterov=nesterov, style=momentum_style, dtype=mu_dtype
+  )
+  if state_memory_kind is None and not isinstance(
+    mu_dtype, quantize.QuantizedMomentum
+  ):
+    # the state on the device, as the params (or ZeRO-1) have it: the chain,
+    # which keeps whatever sharding the momentum was given
+    direction = optax.chain(
+      momentum_lib.momentum(beta, memory_budget=memory_budget, **momentum_args),
+      orthogonalize_lib.orthogonalize(**orthogonalize_args),
+    )
+  else:  # 8 bits or host memory: each leaf's momentum in its wave
+    direction = muon_direction.momentum_orthogonalize(
+      beta, memory_kind=state_memory_kind, **momentum_args, **orthogonalize_args
+    )
   # optax.chain(direction, shape, scale) with chain(momentum, orthogonalize)'s
   # state kept flat: (MomentumState, EmptyState, EmptyState, EmptyState)
   shape = scaling.scale_by_shape(scale_mode, **layout_args)

@@ -99,7 +99,7 @@ def orthogonalize_sharded(
     local_leaves = local_leaves[: len(leaves)]
     own_states = [[next(local_states) for _ in range(n)] for n in counts]
     results: list[Any] = [None] * len(local_leaves)
-    new_states: list[Any] = [None] * len(local_leaves)
+    new_states: list[Any] = [[] for _ in local_leaves]
     finish_states = {}
     by_mode: dict[str, list[Leaf]] = {mode: [] for mode in PLANNERS}
     for index, (x, view, spec) in enumerate(zip(local_leaves, views, specs)):
