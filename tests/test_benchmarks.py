@@ -12,6 +12,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.integration
+
 RATIOS = {
   "ns_roofline": ["ratio", "time_ratio"],
   "update_vs_optax": [

@@ -80,6 +80,7 @@ def _curve(out_dir):
   ]
 
 
+@pytest.mark.integration
 def test_a_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
   common = SMALL + ["optim.optimizer=muon", "train.checkpoint_every=4"]
   whole = _run_in_subprocess(common + [f"train.out_dir={tmp_path / 'whole'}"])
@@ -159,6 +160,7 @@ def _cli_error(capsys, argv):
   return err
 
 
+@pytest.mark.integration
 def test_cli_errors_are_one_line_and_a_nonzero_exit(tmp_path, capsys):
   out = [f"train.out_dir={tmp_path / 'run'}"] + SMALL
   assert "does not exist" in _cli_error(
@@ -207,6 +209,7 @@ def test_bad_run_overrides_raise():
     config_lib.run_config(["model.n_head=5"])
 
 
+@pytest.mark.integration
 def test_compare_runs_three_contestants(tmp_path, monkeypatch, capsys):
   # one lr each, not extended (the bracketing is the next test's)
   monkeypatch.setattr(compare_lib, "MAX_EXTENSIONS", 0)
@@ -312,6 +315,7 @@ def test_sweep_brackets_the_best_lr_and_averages_seeds(tmp_path, monkeypatch):
   assert not bracketed and sorted(results) == [1e-4, 2e-4]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("mode", ["duplicated", "blockwise"])
 def test_muon_trains_on_a_data_model_mesh(tmp_path, mode):
   mesh = train_lib.parse_mesh("data=2,model=4")
@@ -359,6 +363,7 @@ def test_blockwise_split_qkv_needs_whole_heads_per_shard(tmp_path):
     train_lib.train(cfg, mesh=train_lib.parse_mesh("data=2,model=4"))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
   "model", [[], ["model.attention=mla", "model.mlp=swiglu"]], ids=["gqa", "mla"]
 )
@@ -430,6 +435,7 @@ def test_checkpointer_keeps_the_best_besides_the_latest(tmp_path):
   np.testing.assert_array_equal(restored["w"], np.full(3, 20, np.float32))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
   "contestant", ["normuon", pytest.param("adamuon", marks=pytest.mark.slow)]
 )
@@ -463,6 +469,7 @@ def test_the_adaptive_contestants_run_with_the_example_muon_settings(
   assert len(layouts) == 1
 
 
+@pytest.mark.integration
 def test_the_summary_records_the_python_and_the_text(tmp_path):
   summary = compare_lib.compare(
     SMALL + ["train.steps=4", "train.eval_every=4"],
@@ -497,6 +504,7 @@ def test_the_corpus_note_says_when_the_recorded_figures_trained_elsewhere(
   assert compare_lib.corpus_note(summary, tmp_path).startswith("Same text")
 
 
+@pytest.mark.integration
 def test_the_recorded_tiny_figure_on_the_same_text(tmp_path):
   # docs/examples.md's tiny table holds for the text it was trained on (the
   # standard library of the Python it names); another Python's differs
@@ -524,6 +532,7 @@ def test_the_recorded_tiny_figure_on_the_same_text(tmp_path):
   )
 
 
+@pytest.mark.integration
 def test_an_offloaded_run_resumes_exactly(tmp_path):
   # optim.optimizer_offload=true: the state in pinned host memory, saved and
   # restored there; resuming from step 8 ends where the whole run does

@@ -18,6 +18,8 @@ from examples.grpo_arith import grpo
 from examples.grpo_arith import policy
 from examples.grpo_arith import train as train_lib
 
+pytestmark = pytest.mark.integration
+
 
 def test_a_constant_reward_group_has_zero_advantage():
   rewards = jnp.array(

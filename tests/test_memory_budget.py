@@ -100,7 +100,10 @@ def _largest(hlo: str, kind: str) -> int:
   )
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)])
+@pytest.mark.parametrize(
+  "mesh_shape",
+  [(2, 4), pytest.param((4, 2), marks=pytest.mark.integration)],
+)
 @pytest.mark.parametrize("mode", MODES)
 def test_many_waves_equal_one_wave_in_every_mode(mode, mesh_shape):
   mesh = _mesh(mesh_shape)

@@ -10,6 +10,8 @@ import pytest
 
 import optax_muon as om
 
+pytestmark = pytest.mark.integration
+
 
 def test_muon_across_two_processes_equals_one_process():
   # one launch for everything (a launch costs seconds): every tp mode on both

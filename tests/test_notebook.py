@@ -5,6 +5,7 @@ import json
 import re
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from conftest import ROOT
@@ -23,6 +24,7 @@ def _printed(cell) -> str:
   return "".join(o.get("text", "") for o in cell.outputs)
 
 
+@pytest.mark.integration
 def test_notebook_runs_from_its_folder_and_shows_what_the_readme_quotes(
   monkeypatch,
 ):
