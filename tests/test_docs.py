@@ -249,3 +249,38 @@ def test_the_8_bit_table_is_the_recorded_one():
   spread = max(rows["muon"]["seeds"]) - min(rows["muon"]["seeds"])
   assert abs(gap) <= spread  # within float32's two-seed spread
   assert f"{abs(gap):.4f}" in section and f"{spread:.4f}" in section
+
+
+def test_the_state_table_is_the_recorded_compile():
+  """docs/scaling.md's table of state options, against the TPU compiles
+  `benchmarks/at_scale.py` wrote (results/at_scale/)."""
+  runs = [
+    json.loads(line)
+    for line in (ROOT / "results/at_scale/tpu_v5p_70b_state.jsonl")
+    .read_text()
+    .splitlines()
+  ]
+  row_of = {
+    ("bf16", "param", False): "| bf16, momentum bf16 |",
+    ("bf16", "8bit", False): "| bf16, 8-bit momentum |",
+    ("bf16", "param", True): "| bf16, state in host memory |",
+    ("fp32", "param", True): "| fp32 master params, state in host memory |",
+  }
+  page = (ROOT / "docs" / "scaling.md").read_text()
+  for run in runs:
+    key = (run["dtype"], run["momentum"], run["offload"])
+    if run["mode"] != "duplicated" or key not in row_of:
+      continue
+    line = next(l for l in page.splitlines() if l.startswith(row_of[key]))
+    cells = [c.strip("* ") for c in line.strip("|").split("|")]
+    assert cells[1:5] == [
+      f"{run['state_device_gib']:.1f}",
+      f"{run['state_gib'] - run['state_device_gib']:.1f}",
+      f"{run['temp_gib']:.1f}",
+      f"{run['resident_gib']:.1f}",
+    ], (key, cells)
+    fits = ["fits" if run["fits"][p] else "no" for p in ("80GB", "95GB")]
+    assert cells[5:7] == fits, (key, cells)
+  refused = [r for r in runs if r["dtype"] == "fp32" and not r["offload"]]
+  assert refused and not refused[0]["compiled"]
+  assert refused[0]["resource_exhausted"]

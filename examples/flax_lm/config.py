@@ -159,12 +159,20 @@ def _by_field(values: dict) -> dict:
 
 
 def _parse(name: str, text: str, hint):
-  """An override's text as the field's type (int, float, bool, str, or one
-  of them or None)."""
+  """An override's text as the field's type (int, float, bool, str, a
+  tuple of them, or one of them or None)."""
   if typing.get_origin(hint) in (typing.Union, types.UnionType):
     if text.lower() in ("none", "null"):
       return None
     (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+  if typing.get_origin(hint) is tuple:  # "[1,2]" or "1,2"
+    items = [t.strip() for t in text.strip("[]() ").split(",") if t.strip()]
+    kinds = typing.get_args(hint)
+    if len(kinds) == 2 and kinds[1] is Ellipsis:
+      kinds = (kinds[0],) * len(items)
+    if len(kinds) != len(items):
+      raise ValueError(f"{name}={text!r} needs {len(kinds)} values")
+    return tuple(_parse(name, t, k) for t, k in zip(items, kinds))
   if hint is bool:
     if text.lower() not in ("true", "false"):
       raise ValueError(f"{name}={text!r} is not a bool; accepted: true/false")
