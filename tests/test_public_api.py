@@ -56,5 +56,15 @@ def test_the_public_api_is_the_recorded_one():
       assert current[module][name] == signature, f"{module}.{name}"
 
 
+def test_nothing_but_the_public_names_is_a_package_attribute():
+  # modules are private (optax_muon._src); compat is the one public module
+  attributes = {
+    name
+    for name in vars(om)
+    if not name.startswith("_") and inspect.ismodule(getattr(om, name))
+  }
+  assert attributes <= {"compat"}, sorted(attributes)
+
+
 if __name__ == "__main__":
   SNAPSHOT.write_text(json.dumps(public_api(), indent=1) + "\n")
