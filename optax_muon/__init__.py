@@ -1,6 +1,6 @@
 """optax_muon: Muon for JAX as composable optax transformations."""
 
-import importlib.metadata
+from importlib import metadata as _metadata
 
 from optax.contrib import MuonDimensionNumbers
 
@@ -47,8 +47,8 @@ from optax_muon._src.views.layout import SplitGateUp
 from optax_muon._src.views.layout import SplitQKV
 
 try:  # the installed distribution's version (pyproject.toml), one source
-  __version__ = importlib.metadata.version("optax_muon")
-except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path
+  __version__ = _metadata.version("optax_muon")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path
   __version__ = "0+unknown"
 
 __all__ = (
