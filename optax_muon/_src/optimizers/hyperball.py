@@ -56,9 +56,10 @@ def muon_hyperball(
     hyperball_eps: floor of the norms divided by.
     weight_decay: the Muon leaves' decoupled decay, applied before the step
       (without ``radius`` it shrinks the radius by ``1 − lr·wd`` per step).
-    labels, dimension_numbers, layout, scalar_optimizer, adam_*,
-      state_memory_kind: as in ``om.muon``.
     **muon_kwargs: the other arguments of ``om.scale_by_muon``.
+
+  ``labels``, ``dimension_numbers``, ``layout``, ``scalar_optimizer``, the
+  ``adam_*`` settings and ``state_memory_kind`` are as in ``om.muon``.
 
   Returns:
     An ``optax.GradientTransformation``.

@@ -191,10 +191,11 @@ def torch_muon(
       ``dimension_numbers`` either way.
     precision: ``"bf16"`` (torch's), or another of ``om.newton_schulz``'s.
     mu_dtype: the momentum buffer's dtype (``None``: the param's, as torch).
-    labels, layout, dimension_numbers, split_qkv, split_gate_up, sharding,
-      memory_budget, weight_decay_mask, scalar_optimizer, adam_learning_rate,
-      adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_weight_decay_mask,
-      state_memory_kind: as in ``om.muon``.
+
+  ``labels``, ``layout``, ``dimension_numbers``, ``split_qkv``,
+  ``split_gate_up``, ``sharding``, ``memory_budget``, ``weight_decay_mask``,
+  ``scalar_optimizer``, the ``adam_*`` settings and ``state_memory_kind``
+  are as in ``om.muon``.
 
   Returns:
     An ``optax.GradientTransformation`` (``optax.partition`` of Muon, AdamW
