@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import logging
+import pathlib
 import platform
 import shutil
 import subprocess
@@ -207,6 +208,68 @@ def test_bad_run_overrides_raise():
     config_lib.run_config(["model.n_layers=3"])
   with pytest.raises(ValueError, match="n_head"):
     config_lib.run_config(["model.n_head=5"])
+
+
+def test_the_first_command_compares_three_contestants_and_all_five(
+  monkeypatch, capsys
+):
+  # the README's first command (compare's defaults) runs AdamW, optax_muon
+  # and optax.contrib.muon; --all adds NorMuon and AdaMuon
+  calls = []
+
+  def fake_compare(overrides, **kwargs):
+    calls.append(kwargs)
+    base = config_lib.run_config(overrides)
+    chosen = kwargs["sweeps"] or {
+      name: compare_lib.SWEEPS[base.preset][name]
+      for name in kwargs["contestants"] or compare_lib.SWEEPS[base.preset]
+    }
+    return {"preset": base.preset, "best": {}, "ran": sorted(chosen)}
+
+  monkeypatch.setattr(compare_lib, "compare", fake_compare)
+  assert compare_lib.main([])["ran"] == ["adam", "muon", "optax"]
+  assert compare_lib.main(["--all"])["ran"] == [
+    "adam",
+    "adamuon",
+    "muon",
+    "normuon",
+    "optax",
+  ]
+  ran = compare_lib.main(["preset=small", "--lrs", "normuon=4e-3"])["ran"]
+  assert ran == ["normuon"]
+  with pytest.raises(SystemExit):
+    compare_lib.main(["--all", "--lrs", "muon=1e-2"])
+  assert "--all and --lrs" in capsys.readouterr().err
+
+
+def test_compare_caches_compiled_programs_for_the_call():
+  # without a configured cache, one in a temporary folder for the call (the
+  # seeds of one lr share their programs), removed afterwards
+  settings = (
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+  )
+  original = {name: getattr(jax.config, name) for name in settings}
+  try:
+    jax.config.update("jax_compilation_cache_dir", None)
+    with compare_lib.compilation_cache():
+      folder = jax.config.jax_compilation_cache_dir
+      assert "compare-jax-cache-" in folder
+      assert pathlib.Path(folder).is_dir()
+      assert jax.config.jax_persistent_cache_min_compile_time_secs < 1
+    assert jax.config.jax_compilation_cache_dir is None
+    assert not pathlib.Path(folder).exists()
+    assert (
+      jax.config.jax_persistent_cache_min_compile_time_secs
+      == (original["jax_persistent_cache_min_compile_time_secs"])
+    )
+    # a user's own cache is kept
+    jax.config.update("jax_compilation_cache_dir", "/theirs")
+    with compare_lib.compilation_cache():
+      assert jax.config.jax_compilation_cache_dir == "/theirs"
+  finally:
+    for name, value in original.items():
+      jax.config.update(name, value)
 
 
 @pytest.mark.integration

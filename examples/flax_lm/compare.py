@@ -1,14 +1,16 @@
 """Muon, optax.contrib.muon and AdamW at the same budget, each at its best lr.
 
-    python -m examples.flax_lm.compare                 # tiny preset, 38 runs
+    python -m examples.flax_lm.compare                 # tiny preset, 20 runs
+    python -m examples.flax_lm.compare --all           # and NorMuon, AdaMuon
     python -m examples.flax_lm.compare preset=small    # the README's table
 
-Five contestants: ``muon`` (optax_muon through ``MuonConfig``), ``optax``
-(``optax.contrib.muon`` as a user calls it: its defaults, the example's lr
-schedule, weight decay and clipping), ``adam`` (AdamW), and ``normuon`` and
-``adamuon`` (``MuonConfig(optimizer="adaptive_muon")`` with the example's
-Muon settings); ``muon8bit``, optax_muon's Muon with its momentum in 8 bits,
-runs when ``--lrs`` names it. ``--lrs`` runs a subset. Each sweeps its
+By default three contestants: ``muon`` (optax_muon through ``MuonConfig``),
+``optax`` (``optax.contrib.muon`` as a user calls it: its defaults, the
+example's lr schedule, weight decay and clipping) and ``adam`` (AdamW);
+``--all`` adds ``normuon`` and ``adamuon``
+(``MuonConfig(optimizer="adaptive_muon")`` with the example's Muon settings);
+``muon8bit``, optax_muon's Muon with its momentum in 8 bits, runs when
+``--lrs`` names it. ``--lrs`` runs a subset. Each sweeps its
 own lrs with two seeds (model init and batches) and is ranked by the mean
 final validation loss; a sweep whose best lr is at an edge is extended past it
 (×2 or ÷2) until the best is inside, at most ``MAX_EXTENSIONS`` times.
@@ -27,12 +29,16 @@ Newton–Schulz of whichever matrices the contestant orthogonalizes).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import pathlib
 import shutil
 import statistics
+import tempfile
+
+import jax
 
 from examples.flax_lm import config as config_lib
 from examples.flax_lm import progress
@@ -73,6 +79,9 @@ SWEEPS = {
     "adamuon": (4e-4, 8e-4, 1.6e-3),
   },
 }
+# the README's first command: the comparison the project exists for, within
+# a few minutes of 2 CPU cores (``--all``: every contestant of the preset)
+DEFAULT_CONTESTANTS = ("adam", "muon", "optax")
 SEEDS = (0, 1)
 MAX_EXTENSIONS = 3
 # the figures docs/examples.md quotes, by preset (results/<folder>/summary.json)
@@ -314,11 +323,17 @@ def compare(
   reuse=True,
   seeds=SEEDS,
   max_extensions: int | None = None,
+  contestants=DEFAULT_CONTESTANTS,
 ) -> dict:
-  """Sweeps each contestant, picks its best lr by the seed-mean final loss,
-  writes the results (see the module docstring) and returns the summary."""
+  """Sweeps each contestant (``sweeps``, else those of ``contestants``, or
+  all of the preset's if ``None``, with the preset's lrs), picks its best lr by the seed-mean final loss, writes
+  the results (see the module docstring) and returns the summary."""
   base = config_lib.run_config(overrides)
-  sweeps = sweeps or SWEEPS[base.preset]
+  if not sweeps:
+    preset_sweeps = SWEEPS[base.preset]
+    sweeps = {
+      name: preset_sweeps[name] for name in contestants or preset_sweeps
+    }
   root = pathlib.Path(out) / base.preset
   root.mkdir(parents=True, exist_ok=True)
   sweep_table, best, runs = [], {}, {}
@@ -419,6 +434,25 @@ def corpus_note(summary: dict, recorded: pathlib.Path = RECORDED) -> str:
   )
 
 
+@contextlib.contextmanager
+def compilation_cache():
+  """JAX's persistent compilation cache in a temporary folder for the call,
+  unless one is configured: the runs of one lr (its seeds) share their
+  compiled programs instead of compiling them again."""
+  if jax.config.jax_compilation_cache_dir:
+    yield
+    return
+  min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+  with tempfile.TemporaryDirectory(prefix="compare-jax-cache-") as folder:
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    try:
+      yield
+    finally:
+      jax.config.update("jax_compilation_cache_dir", None)
+      jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
+
+
 def parse_lrs(items, names) -> dict:
   """``["adam=1e-3,2e-3", ...]`` as ``{"adam": (1e-3, 2e-3), ...}``; every
   name must be one of ``names``."""
@@ -461,21 +495,31 @@ def main(argv=None):
     help="how many times a sweep may extend past its edge",
   )
   parser.add_argument(
+    "--all",
+    action="store_true",
+    help="every contestant of the preset's sweeps, not only "
+    f"{', '.join(DEFAULT_CONTESTANTS)}",
+  )
+  parser.add_argument(
     "--fresh", action="store_true", help="rerun every run, even finished ones"
   )
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.WARNING)
+  if args.all and args.lrs:
+    parser.error("--all and --lrs: pass one (--lrs names the contestants)")
   try:
     sweeps = parse_lrs(args.lrs, CONTESTANTS) if args.lrs else None
     seeds = tuple(int(seed) for seed in args.seeds.split(","))
-    summary = compare(
-      args.overrides,
-      sweeps=sweeps,
-      out=args.out,
-      reuse=not args.fresh,
-      seeds=seeds,
-      max_extensions=args.max_extensions,
-    )
+    with compilation_cache():
+      summary = compare(
+        args.overrides,
+        sweeps=sweeps,
+        out=args.out,
+        reuse=not args.fresh,
+        seeds=seeds,
+        max_extensions=args.max_extensions,
+        contestants=None if args.all else DEFAULT_CONTESTANTS,
+      )
   except ValueError as error:
     parser.exit(2, f"{parser.prog}: error: {error}\n")
   for name, run in summary["best"].items():
