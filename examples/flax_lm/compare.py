@@ -1,6 +1,6 @@
 """Muon, optax.contrib.muon and AdamW at the same budget, each at its best lr.
 
-    python -m examples.flax_lm.compare                 # tiny preset, 20 runs
+    python -m examples.flax_lm.compare                 # tiny preset, 22 runs
     python -m examples.flax_lm.compare --all           # and NorMuon, AdaMuon
     python -m examples.flax_lm.compare preset=small    # the README's table
 
