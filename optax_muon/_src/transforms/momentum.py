@@ -66,10 +66,17 @@ class BiasCorrectedMomentumState(NamedTuple):
   mu: optax.Updates
 
 
-def _ema_step(g, m, weight, beta, nesterov):
+def ema_step(g, m, weight, beta, nesterov):
   """``(update, new buffer)`` from a gradient and the old buffer."""
   new = weight * g + beta * m
   return (weight * g + beta * new if nesterov else new), new
+
+
+def quantized_step(g, old: quantize.QuantizedArray, config, step):
+  """``step(g, m)`` on an 8-bit buffer: dequantized, stepped in float32,
+  requantized; ``(float32 update, new QuantizedArray)``."""
+  update, new = step(g.astype(jnp.float32), quantize.dequantize(old, config))
+  return update, quantize.quantize(new, old, config)
 
 
 def _quantized_task(g, stored, config, step, finish) -> waves.Task:
@@ -82,8 +89,7 @@ def _quantized_task(g, stored, config, step, finish) -> waves.Task:
   def prepare(inputs):
     g, values, scales = inputs
     old = quantize.QuantizedArray(values, scales)
-    update, new = step(g.astype(jnp.float32), quantize.dequantize(old, config))
-    new = quantize.quantize(new, old, config)
+    update, new = quantized_step(g, old, config, step)
     return [], [update.astype(g.dtype), new.values, new.scales]
 
   entries = math.prod(jnp.shape(g))
@@ -200,7 +206,7 @@ def momentum(
     stored = treedef.flatten_up_to(state.mu)
     outputs: list[Any] = [None] * len(grads)
     buffers: list[Any] = [None] * len(grads)
-    step = lambda g, m: _ema_step(g, m, gradient_weight(), beta, nesterov)
+    step = lambda g, m: ema_step(g, m, gradient_weight(), beta, nesterov)
 
     def finish(i, results):
       outputs[i] = results[0]

@@ -26,12 +26,6 @@ from optax_muon._src.transforms import momentum as momentum_lib
 from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
 
 
-def _ema_step(g, m, weight, beta, nesterov):
-  """``(update, new buffer)`` from a gradient and the old buffer."""
-  new = weight * g + beta * m
-  return (weight * g + beta * new if nesterov else new), new
-
-
 def momentum_orthogonalize(
   beta,
   *,
@@ -62,23 +56,19 @@ def momentum_orthogonalize(
       state = offload.to_host(state)
     return state, empty
 
+  def ema(g, m):
+    return momentum_lib.ema_step(g, m, weight(), beta, nesterov)
+
   def step(g, arrays):
     if memory_kind is not None:  # this leaf's buffer, now, for its wave
       arrays = offload.to_device(arrays)
     if quantized:
       old = quantize.QuantizedArray(*arrays)
-      previous = quantize.dequantize(old, dtype)
-      work = jnp.float32
-    else:
-      previous = arrays[0]
-      work = jnp.result_type(g, previous)
-    update, new = _ema_step(
-      g.astype(work), previous.astype(work), weight(), beta, nesterov
-    )
-    if quantized:
-      stored = quantize.quantize(new, old, dtype)
+      update, stored = momentum_lib.quantized_step(g, old, dtype, ema)
       new_arrays = [stored.values, stored.scales]
     else:
+      work = jnp.result_type(g, arrays[0])
+      update, new = ema(g.astype(work), arrays[0].astype(work))
       new_arrays = [new.astype(arrays[0].dtype)]
     if memory_kind is not None:
       new_arrays = offload.to_host(new_arrays)
