@@ -1,7 +1,10 @@
 """The public API is what tests/data/public_api.json recorded: the names of
 ``optax_muon`` and ``optax_muon.compat`` and every public callable's
-signature (names, order, kinds, defaults). A change here is a change users
-see; rerun ``python tests/test_public_api.py`` to record one on purpose."""
+signature (names, order, kinds, defaults). A user's call keeps working: a
+signature may only gain keyword-only parameters with defaults (issue 34: a
+family member taking a shared setting it lacked). Any other change is a
+change users see; rerun ``python tests/test_public_api.py`` to record one on
+purpose."""
 
 import inspect
 import json
@@ -53,7 +56,39 @@ def test_the_public_api_is_the_recorded_one():
     assert current[module] == recorded[module], module
   for module in ("optax_muon", "optax_muon.compat"):
     for name, signature in recorded[module].items():
-      assert current[module][name] == signature, f"{module}.{name}"
+      now = current[module][name]
+      assert _breaks_a_call(signature, now) == [], f"{module}.{name}"
+
+
+def _breaks_a_call(recorded, now) -> list[str]:
+  """What in ``now`` breaks a call written against ``recorded``: a parameter
+  gone, moved or changed, or a new one that is not keyword-only with a
+  default."""
+  if isinstance(recorded, str) or isinstance(now, str):
+    return [] if recorded == now else [f"{recorded} is now {now}"]
+  problems = []
+  if [entry for entry in now if entry in recorded] != recorded:
+    problems.append("a recorded parameter is gone, moved or changed")
+  for entry in now:
+    if entry not in recorded and not (
+      entry.startswith("KEYWORD_ONLY ") and " = " in entry
+    ):
+      problems.append(f"added {entry}")
+  return problems
+
+
+def test_only_an_added_keyword_with_a_default_keeps_calls_working():
+  recorded = ["POSITIONAL_OR_KEYWORD lr", "KEYWORD_ONLY beta = 0.95"]
+  added = [*recorded, "KEYWORD_ONLY method = 'standard'"]
+  assert _breaks_a_call(recorded, added) == []
+  for broken in (
+    [*recorded, "KEYWORD_ONLY method"],  # required
+    [*recorded, "POSITIONAL_OR_KEYWORD method = 1"],  # positional
+    [recorded[1], recorded[0]],  # reordered
+    [recorded[0], "KEYWORD_ONLY beta = 0.9"],  # another default
+    recorded[:1],  # removed
+  ):
+    assert _breaks_a_call(recorded, broken) != [], broken
 
 
 def test_nothing_but_the_public_names_is_a_package_attribute():

@@ -29,6 +29,7 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import scaling
@@ -38,10 +39,6 @@ from optax_muon._src.transforms.moment2 import scale_by_moment2
 # the functions by their own modules: the package's names are the functions
 from optax_muon._src.transforms.momentum import MOMENTUM_STYLES
 from optax_muon._src.transforms.momentum import canonical_dtype
-from optax_muon._src.transforms.momentum import momentum as momentum_transform
-from optax_muon._src.transforms.orthogonalize import (
-  orthogonalize as orthogonalize_transform,
-)
 from optax_muon._src.views.layout import from_layout
 
 
@@ -72,6 +69,8 @@ def scale_by_adaptive_muon(
   layout: Any = None,
   split_gate_up: types.PerLeaf = None,
   memory_budget: int | None = None,
+  method: types.Method = "standard",
+  preconditioning: types.Preconditioning = "frobenius",
 ) -> optax.GradientTransformation:
   r"""AdaptiveMuon's direction: momentum, raw Newton–Schulz, second moment,
   then the shape scale (EO's order)::
@@ -84,7 +83,8 @@ def scale_by_adaptive_muon(
   ``nesterov``, ``momentum_style``, ``mu_dtype``, ``coefficients``,
   ``steps``, ``precision``, ``scale_mode``, ``extra_scale_factor``,
   ``match_adamw_update_rms``, ``adamw_beta1``, ``dimension_numbers``,
-  ``split_qkv``, ``layout``, ``split_gate_up``, ``memory_budget``).
+  ``split_qkv``, ``layout``, ``split_gate_up``, ``memory_budget``,
+  ``method``, ``preconditioning``).
 
   Args:
     moment2_method: ``"adamuon"``, ``"normuon"`` or ``"namo"``.
@@ -106,29 +106,19 @@ def scale_by_adaptive_muon(
   extra = scaling.resolve_extra_scale_factor(
     extra_scale_factor, match_adamw_update_rms, adamw_beta1
   )
-  views = dict(
-    dimension_numbers=dimension_numbers,
-    split_qkv=split_qkv,
-    split_gate_up=split_gate_up,
-  )
   canonical_dtype("mu_dtype", mu_dtype, quantized=True)
-  momentum = momentum_transform(
-    beta,
-    nesterov=nesterov,
-    style=momentum_style,
-    dtype=mu_dtype,
-    memory_budget=memory_budget,
+  arguments = dict(locals(), layout=None)
+  momentum = settings.momentum_of(arguments)
+  orthogonalize = settings.orthogonalize_of(arguments)
+  moment2 = scale_by_moment2(
+    moment2_method,
+    beta2,
+    moment2_eps,
+    **settings.forward(scale_by_moment2, arguments),
   )
-  orthogonalize = orthogonalize_transform(
-    coefficients=coefficients,
-    steps=steps,
-    precision=precision,
-    sharding=sharding,
-    memory_budget=memory_budget,
-    **views,
+  shape = scaling.scale_by_shape(
+    scale_mode, **settings.forward(scaling.scale_by_shape, arguments)
   )
-  moment2 = scale_by_moment2(moment2_method, beta2, moment2_eps, **views)
-  shape = scaling.scale_by_shape(scale_mode, sharding=sharding, **views)
 
   def init_fn(params):
     orthogonalize.init(params)  # bad views, dtypes or specs raise here
@@ -180,7 +170,9 @@ def adaptive_muon(
   adam_weight_decay: types.Numeric = 0.0,
   adam_weight_decay_mask: types.PerLeaf = None,
   memory_budget: int | None = None,
-  state_memory_kind: str | None = None,
+  state_memory_kind: types.MemoryKind | None = None,
+  method: types.Method = "standard",
+  preconditioning: types.Preconditioning = "frobenius",
 ) -> optax.GradientTransformation:
   r"""AdaptiveMuon (NorMuon, AdaMuon, NAMO) for the matrices, AdamW for the
   rest: ``om.muon`` with ``scale_by_adaptive_muon`` as the Muon direction
@@ -213,39 +205,8 @@ def adaptive_muon(
   """
   _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
   labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
+  arguments = dict(locals(), layout=None)
   direction = scale_by_adaptive_muon(
-    moment2_method=moment2_method,
-    beta2=beta2,
-    moment2_eps=moment2_eps,
-    beta=beta,
-    nesterov=nesterov,
-    momentum_style=momentum_style,
-    mu_dtype=mu_dtype,
-    coefficients=coefficients,
-    steps=steps,
-    precision=precision,
-    scale_mode=scale_mode,
-    extra_scale_factor=extra_scale_factor,
-    match_adamw_update_rms=match_adamw_update_rms,
-    adamw_beta1=adam_b1,
-    dimension_numbers=dimension_numbers,
-    split_qkv=split_qkv,
-    split_gate_up=split_gate_up,
-    sharding=sharding,
-    memory_budget=memory_budget,
+    **settings.forward(scale_by_adaptive_muon, arguments, adamw_beta1=adam_b1)
   )
-  return route(
-    direction,
-    learning_rate,
-    weight_decay=weight_decay,
-    weight_decay_mask=weight_decay_mask,
-    labels=labels,
-    scalar_optimizer=scalar_optimizer,
-    adam_learning_rate=adam_learning_rate,
-    adam_b1=adam_b1,
-    adam_b2=adam_b2,
-    adam_eps=adam_eps,
-    adam_weight_decay=adam_weight_decay,
-    adam_weight_decay_mask=adam_weight_decay_mask,
-    state_memory_kind=state_memory_kind,
-  )
+  return route(direction, learning_rate, **settings.forward(route, arguments))

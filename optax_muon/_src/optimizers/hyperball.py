@@ -23,6 +23,7 @@ import optax
 
 from optax_muon._src.base import types
 from optax_muon._src.optimizers import muon as alias
+from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.transforms.hyperball import hyperball
 from optax_muon._src.views.layout import from_layout
@@ -44,7 +45,7 @@ def muon_hyperball(
   adam_eps: types.Numeric = 1e-8,
   adam_weight_decay: types.Numeric = 0.0,
   adam_weight_decay_mask: types.PerLeaf = None,
-  state_memory_kind: str | None = None,
+  state_memory_kind: types.MemoryKind | None = None,
   **muon_kwargs,
 ) -> optax.GradientTransformation:
   r"""MuonHyperball for the matrices, AdamW for the rest: ``om.muon`` whose
@@ -59,7 +60,9 @@ def muon_hyperball(
     **muon_kwargs: the other arguments of ``om.scale_by_muon``.
 
   ``labels``, ``dimension_numbers``, ``layout``, ``scalar_optimizer``, the
-  ``adam_*`` settings and ``state_memory_kind`` are as in ``om.muon``.
+  ``adam_*`` settings and ``state_memory_kind`` are as in ``om.muon``;
+  ``weight_decay_mask`` does not apply: every Muon weight is decayed, since
+  its radius is measured after the decay.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -82,19 +85,12 @@ def muon_hyperball(
   direction = alias.scale_by_muon(
     dimension_numbers=dimension_numbers, **muon_kwargs
   )
+  step = hyperball(
+    learning_rate, radius=radius, eps=hyperball_eps, weight_decay=weight_decay
+  )
   return route(
     direction,
     learning_rate,
-    labels=labels,
-    scalar_optimizer=scalar_optimizer,
-    adam_learning_rate=adam_learning_rate,
-    adam_b1=adam_b1,
-    adam_b2=adam_b2,
-    adam_eps=adam_eps,
-    adam_weight_decay=adam_weight_decay,
-    adam_weight_decay_mask=adam_weight_decay_mask,
-    muon_step=hyperball(
-      learning_rate, radius=radius, eps=hyperball_eps, weight_decay=weight_decay
-    ),
-    state_memory_kind=state_memory_kind,
+    **settings.forward(route, locals(), layout=None),
+    muon_step=step,
   )

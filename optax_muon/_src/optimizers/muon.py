@@ -7,6 +7,7 @@ import optax
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
 from optax_muon._src.kernels import quantize
+from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import momentum as momentum_lib
@@ -108,40 +109,29 @@ def scale_by_muon(
   extra = resolve_extra_scale_factor(
     extra_scale_factor, match_adamw_update_rms, adamw_beta1
   )
-  layout_args: dict[str, Any] = dict(
-    dimension_numbers=dimension_numbers,
-    split_qkv=split_qkv,
-    split_gate_up=split_gate_up,
-    sharding=sharding,
-  )
-  orthogonalize_args: dict[str, Any] = dict(
-    coefficients=coefficients,
-    steps=steps,
-    precision=precision,
-    method=method,
-    preconditioning=preconditioning,
-    memory_budget=memory_budget,
-    **layout_args,
-  )
-  momentum_args: dict[str, Any] = dict(
-    nesterov=nesterov, style=momentum_style, dtype=mu_dtype
-  )
+  arguments = dict(locals(), layout=None)
   if state_memory_kind is None and not isinstance(
     mu_dtype, quantize.QuantizedMomentum
   ):
     # the state on the device, as the params (or ZeRO-1) have it: the chain,
     # which keeps whatever sharding the momentum was given
     direction = optax.chain(
-      momentum_lib.momentum(beta, memory_budget=memory_budget, **momentum_args),
-      orthogonalize_lib.orthogonalize(**orthogonalize_args),
+      settings.momentum_of(arguments), settings.orthogonalize_of(arguments)
     )
   else:  # 8 bits or host memory: each leaf's momentum in its wave
     direction = muon_direction.momentum_orthogonalize(
-      beta, memory_kind=state_memory_kind, **momentum_args, **orthogonalize_args
+      beta,
+      nesterov=nesterov,
+      style=momentum_style,
+      dtype=mu_dtype,
+      memory_kind=state_memory_kind,
+      **settings.forward(orthogonalize_lib.orthogonalize, arguments),
     )
   # optax.chain(direction, shape, scale) with chain(momentum, orthogonalize)'s
   # state kept flat: (MomentumState, EmptyState, EmptyState, EmptyState)
-  shape = scaling.scale_by_shape(scale_mode, **layout_args)
+  shape = scaling.scale_by_shape(
+    scale_mode, **settings.forward(scaling.scale_by_shape, arguments)
+  )
   scale = optax.scale(extra)
 
   def init_fn(params):
@@ -252,40 +242,13 @@ def muon(
   # RMS-matching factor, where scale_by_muon calls it adamw_beta1)
   _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
   labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
+  arguments = dict(locals(), layout=None)
   direction = scale_by_muon(
-    beta=beta,
-    nesterov=nesterov,
-    momentum_style=momentum_style,
-    mu_dtype=mu_dtype,
-    coefficients=coefficients,
-    steps=steps,
-    precision=precision,
-    method=method,
-    scale_mode=scale_mode,
-    extra_scale_factor=extra_scale_factor,
-    match_adamw_update_rms=match_adamw_update_rms,
-    adamw_beta1=adam_b1,
-    dimension_numbers=dimension_numbers,
-    split_qkv=split_qkv,
-    split_gate_up=split_gate_up,
-    sharding=sharding,
-    preconditioning=preconditioning,
-    memory_budget=memory_budget,
-    state_memory_kind=state_memory_kind,
+    **settings.forward(scale_by_muon, arguments, adamw_beta1=adam_b1)
   )
   return route(
     direction,
     learning_rate,
-    weight_decay=weight_decay,
-    weight_decay_mask=weight_decay_mask,
-    labels=labels,
-    scalar_optimizer=scalar_optimizer,
-    adam_learning_rate=adam_learning_rate,
-    adam_b1=adam_b1,
-    adam_b2=adam_b2,
-    adam_eps=adam_eps,
-    adam_weight_decay=adam_weight_decay,
-    adam_weight_decay_mask=adam_weight_decay_mask,
-    state_memory_kind=state_memory_kind,
+    **settings.forward(route, arguments),
     direction_streams=True,
   )

@@ -19,14 +19,10 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
-
-# the functions by their own modules: the package's names are the functions
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms.momentum import canonical_dtype
-from optax_muon._src.transforms.momentum import momentum as momentum_transform
-from optax_muon._src.transforms.orthogonalize import (
-  orthogonalize as orthogonalize_transform,
-)
 from optax_muon._src.views import layout as layout_lib
 from optax_muon._src.views.layout import from_layout
 
@@ -48,14 +44,22 @@ def scale_by_polargrad(
   dimension_numbers: types.PerLeaf = None,
   layout: Any = None,
   memory_budget: int | None = None,
+  method: types.Method = "standard",
+  preconditioning: types.Preconditioning = "frobenius",
+  split_qkv: types.PerLeaf = None,
+  split_gate_up: types.PerLeaf = None,
+  sharding: TensorParallel | None = None,
 ) -> optax.GradientTransformation:
   r"""PolarGrad's direction: ``⟨O, u⟩ · extra · O`` per matrix (see the
   module docstring).
 
   ``beta``, ``nesterov``, ``momentum_style``, ``mu_dtype``,
-  ``coefficients``, ``steps``, ``precision``, ``dimension_numbers``,
-  ``layout`` and ``memory_budget`` are as in ``scale_by_muon`` (``nesterov`` defaults to EO's
-  ``False``).
+  ``coefficients``, ``steps``, ``precision``, ``method``,
+  ``preconditioning``, ``dimension_numbers``, ``split_qkv``,
+  ``split_gate_up``, ``sharding``, ``layout`` and ``memory_budget`` are as
+  in ``scale_by_muon`` (``nesterov`` defaults to EO's ``False``).
+  ``scale_mode`` and ``match_adamw_update_rms`` do not apply: the length of
+  each matrix's update is ``⟨O, u⟩``, not a function of its shape.
 
   Args:
     extra_scale_factor: a factor on the update, > 0.
@@ -69,21 +73,12 @@ def scale_by_polargrad(
   _checks.check_positive("extra_scale_factor", extra_scale_factor)
   _, dimension_numbers = from_layout(layout, None, dimension_numbers)
   canonical_dtype("mu_dtype", mu_dtype, quantized=True)
-  momentum = momentum_transform(
-    beta,
-    nesterov=nesterov,
-    style=momentum_style,
-    dtype=mu_dtype,
-    memory_budget=memory_budget,
+  arguments = dict(locals(), layout=None)
+  momentum = settings.momentum_of(arguments)
+  orthogonalize = settings.orthogonalize_of(arguments)
+  resolve_views = layout_lib.view_resolver(
+    dimension_numbers, split_qkv, split_gate_up
   )
-  orthogonalize = orthogonalize_transform(
-    coefficients=coefficients,
-    steps=steps,
-    precision=precision,
-    dimension_numbers=dimension_numbers,
-    memory_budget=memory_budget,
-  )
-  resolve_views = layout_lib.view_resolver(dimension_numbers)
 
   def init_fn(params):
     orthogonalize.init(params)
@@ -98,17 +93,17 @@ def scale_by_polargrad(
     for (_, o, view), u in zip(
       resolve_views(orthogonal), treedef.flatten_up_to(directions)
     ):
-      (o_matrices,), (u_matrices,) = view.to_matrices(o), view.to_matrices(u)
-      scale = jnp.sum(
-        o_matrices.astype(jnp.float32) * u_matrices.astype(jnp.float32),
-        axis=(-2, -1),
-        keepdims=True,
-      )
-      scaled.append(
-        view.from_matrices(
-          [(o_matrices * scale * extra_scale_factor).astype(o.dtype)]
+      pieces = []  # a split leaf's matrices (Q, K, V; gate, up) one by one
+      for o_matrices, u_matrices in zip(
+        view.to_matrices(o), view.to_matrices(u)
+      ):
+        scale = jnp.sum(
+          o_matrices.astype(jnp.float32) * u_matrices.astype(jnp.float32),
+          axis=(-2, -1),
+          keepdims=True,
         )
-      )
+        pieces.append((o_matrices * scale * extra_scale_factor).astype(o.dtype))
+      scaled.append(view.from_matrices(pieces))
     return (jax.tree.unflatten(treedef, scaled), PolarGradState(momentum_state))
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -131,14 +126,21 @@ def polargrad(
   weight_decay_mask: types.PerLeaf = None,
   labels: types.PerLeaf = None,
   memory_budget: int | None = None,
-  state_memory_kind: str | None = None,
+  state_memory_kind: types.MemoryKind | None = None,
+  method: types.Method = "standard",
+  preconditioning: types.Preconditioning = "frobenius",
+  split_qkv: types.PerLeaf = None,
+  split_gate_up: types.PerLeaf = None,
+  sharding: TensorParallel | None = None,
   **scalar_kwargs,
 ) -> optax.GradientTransformation:
   r"""PolarGrad for the matrices, AdamW for the rest: ``om.muon``'s routing
   with ``scale_by_polargrad`` as the direction;
   ``p ← p − lr · (scale_by_polargrad(g) + weight_decay · p)``.
 
-  The other arguments are ``scale_by_polargrad``'s and ``om.muon``'s.
+  The other arguments are ``scale_by_polargrad``'s and ``om.muon``'s
+  (``scale_mode`` and ``match_adamw_update_rms`` do not apply; see
+  ``scale_by_polargrad``).
 
   Args:
     learning_rate: a float or an optax schedule.
@@ -157,24 +159,13 @@ def polargrad(
     True
   """
   labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
+  arguments = dict(locals(), layout=None)
   direction = scale_by_polargrad(
-    beta=beta,
-    nesterov=nesterov,
-    momentum_style=momentum_style,
-    mu_dtype=mu_dtype,
-    coefficients=coefficients,
-    steps=steps,
-    precision=precision,
-    extra_scale_factor=extra_scale_factor,
-    dimension_numbers=dimension_numbers,
-    memory_budget=memory_budget,
+    **settings.forward(scale_by_polargrad, arguments)
   )
   return route(
     direction,
     learning_rate,
-    weight_decay=weight_decay,
-    weight_decay_mask=weight_decay_mask,
-    labels=labels,
+    **settings.forward(route, arguments),
     **scalar_kwargs,
-    state_memory_kind=state_memory_kind,
   )

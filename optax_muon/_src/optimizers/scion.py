@@ -16,6 +16,7 @@ import optax
 
 from optax_muon._src.base import types
 from optax_muon._src.optimizers import muon as alias
+from optax_muon._src.optimizers import settings
 
 
 def scion(
@@ -46,8 +47,9 @@ def scion(
     precision: the Newton–Schulz matmul precision.
     **muon_kwargs: the other arguments of ``om.muon`` (``layout``,
       ``labels``, ``dimension_numbers``, ``sharding``, ``adam_*``, ...);
-      not ``scale_mode``, ``extra_scale_factor``, ``weight_decay`` or
-      ``nesterov``, which Scion fixes.
+      not ``scale_mode``, ``extra_scale_factor`` (nor
+      ``match_adamw_update_rms``), ``weight_decay`` or ``nesterov``, which
+      Scion fixes.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -68,10 +70,7 @@ def scion(
     LMOs <https://arxiv.org/abs/2502.07529>`_, 2025;
     NVIDIA emerging-optimizers 0.3.0, ``Scion``
   """
-  fixed = sorted(
-    {"scale_mode", "extra_scale_factor", "weight_decay", "nesterov"}
-    & set(muon_kwargs)
-  )
+  fixed = sorted(set(settings.NOT_APPLICABLE["scion"]) & set(muon_kwargs))
   if fixed:
     raise ValueError(
       f"scion fixes {fixed} (unit_rms_norm scale, spectral_radius as the "
