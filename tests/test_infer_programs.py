@@ -9,7 +9,7 @@ from flax import nnx
 
 import optax_muon as om
 from conftest import gaussian
-from optax_muon._src.inference import uses as _uses
+from optax_muon._src.inference import jaxprs as _jaxprs
 
 MDN = om.MuonDimensionNumbers
 
@@ -44,7 +44,7 @@ def test_scan_operand_counts_split_consts_carry_and_xs():
 
   jaxpr = jax.make_jaxpr(two_carries)(jnp.ones(4), jnp.ones((3, 4))).jaxpr
   (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
-  assert _uses.scan_operand_counts(scan.params) == (1, 2)
+  assert _jaxprs.scan_operand_counts(scan.params) == (1, 2)
   assert len(scan.invars) == 1 + 2 + 2
 
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from optax.contrib import MuonDimensionNumbers
 
 from optax_muon._src.base import paths as _paths
+from optax_muon._src.inference import axes as _axes
 from optax_muon._src.inference import uses as _uses
 from optax_muon._src.inference.table import render
 from optax_muon._src.views import labels as labels_lib
@@ -156,7 +157,7 @@ def _decide(
     ("split", "indexed apart after the matmul (its parts are used separately)"),
     ("expert", "a batch dim of another parameter's matmul (an expert axis)"),
   ):
-    axes = _uses.union(*[u.output for u in uses if u.kind == kind]) & output
+    axes = _axes.union(*[u.output for u in uses if u.kind == kind]) & output
     if axes and output - axes:
       output = output - axes
       reason += (
@@ -164,7 +165,7 @@ def _decide(
         f"{why}: a batch axis"
       )
   # a name breaks a tie the structure leaves open; it never overrides it
-  classed = _uses.union(*[u.output for u in uses if u.kind == "attention"])
+  classed = _axes.union(*[u.output for u in uses if u.kind == "attention"])
   undecided = output - classed
   if (
     len(output) > 1
@@ -207,7 +208,7 @@ def _decide(
     and "indexed apart" not in reason
   ):
     reason += "; a fused QKV kernel is one matrix unless split_qkv= is given"
-  gated = _uses.union(*[u.output for u in uses if u.kind == "gated"]) & output
+  gated = _axes.union(*[u.output for u in uses if u.kind == "gated"]) & output
   if gated:
     reason += (
       "; its output's two halves are multiplied together (a fused "
@@ -253,14 +254,14 @@ def _infer(fn, params, args, kwargs, output, frozen_args: int = 0) -> Layout:
   frozen = len(jax.tree.leaves(args[:frozen_args]))
   weights = jaxpr.invars[: len(leaves) + frozen] + list(jaxpr.constvars)
   views = {
-    var: _uses.View(
+    var: _axes.View(
       i, tuple(frozenset({a}) for a in range(len(var.aval.shape)))
     )
     for i, var in enumerate(weights)
     if hasattr(var.aval, "shape")
   }
   _, out_tags = analysis.run(jaxpr, views, {})
-  heads = _uses.union(
+  heads = _axes.union(
     *[out_tags[i] for i in _selected_outputs(out_shape, output)]
   )
   vocab = {
