@@ -4,6 +4,7 @@ import atexit
 import json
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 
@@ -114,3 +115,43 @@ def eo_steps(tx, case, inputs, turn):
     updates, state = update({"w": gradient}, state, params)
     params = optax.apply_updates(params, updates)
     yield k, before, gradient, updates["w"], state, params["w"]
+
+
+# -- the two tiers ---------------------------------------------------------------
+# ``-m "not integration and not slow"`` (the fast tier) runs every code path
+# once; ``integration`` also marks, here, the cases that repeat a path the
+# fast tier has already run: a parametrized case whose every parameter value
+# (or every part of its id: a recorded case's method, variant, shape and
+# orientation) an earlier case of the same test has had (a second mesh for
+# the same modes, a further shape for the same schedule), and the un-jitted
+# twin of a chex variant test. The README's command runs both tiers.
+
+
+def _parameter_values(item) -> tuple[set, set]:
+  callspec = getattr(item, "callspec", None)
+  if callspec is None:
+    return set(), set()
+  values = {(name, repr(value)) for name, value in callspec.params.items()}
+  return values, set(re.split(r"[-/]", callspec.id))
+
+
+def pytest_collection_modifyitems(config, items):
+  seen: dict = {}
+  for item in items:
+    if item.get_closest_marker("integration") or item.get_closest_marker(
+      "slow"
+    ):
+      continue
+    if item.name.endswith("__without_jit"):
+      item.add_marker(pytest.mark.integration)
+      continue
+    values, parts = _parameter_values(item)
+    if not values:
+      continue
+    covered_values, covered_parts = seen.setdefault(
+      (item.path, item.originalname), (set(), set())
+    )
+    if values <= covered_values or parts <= covered_parts:
+      item.add_marker(pytest.mark.integration)
+    covered_values |= values
+    covered_parts |= parts

@@ -216,6 +216,7 @@ JIT_TOLERANCE = 2e-6
   derandomize=True,
   suppress_health_check=list(hypothesis.HealthCheck),
 )
+@pytest.mark.integration
 @hypothesis.given(_cases())
 def test_random_trees_and_settings_match_optax(case):
   tree, settings = case

@@ -1,6 +1,8 @@
 """MuonConfig: verl / Megatron-Core names, defaults, parsing and validation."""
 
+import dataclasses
 import functools
+import json
 
 import chex
 import jax
@@ -389,3 +391,101 @@ def test_build_forwards_the_mesh_fields(fields, collective):
       f" {collective}("
     ) + hlo.count(f" {collective}-start(")
   assert counts[False] > 0 and counts[True] == 0, counts
+
+
+# MuonConfig survives asdict -> JSON -> from_dict ----------------------------
+
+
+def _round_trip(config):
+  return om.MuonConfig.from_dict(
+    json.loads(json.dumps(dataclasses.asdict(config)))
+  )
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    [],
+    ["optimizer=muon", "muon_match_adamw_update_rms=true"],
+    ["optimizer=muon", "muon_extra_scale_factor=0.2", "betas=[0.9,0.95]"],
+    ["optimizer=muon", "muon_tp_mode=allgather", "muon_nesterov=true"],
+  ],
+)
+def test_config_round_trips_through_json(overrides):
+  config = om.MuonConfig.from_overrides(overrides)
+  assert _round_trip(config) == config
+
+
+def test_unset_extra_factor_stays_none_and_resolves_in_a_property():
+  matched = om.MuonConfig(optimizer="muon", muon_match_adamw_update_rms=True)
+  assert matched.muon_extra_scale_factor is None
+  assert "muon_extra_scale_factor=None" in repr(matched)
+  assert matched.extra_scale_factor == pytest.approx(0.229416, abs=1e-6)
+  assert om.MuonConfig().extra_scale_factor == 1.0
+  assert om.MuonConfig(muon_extra_scale_factor=0.2).extra_scale_factor == 0.2
+
+
+# from_overrides surprises ---------------------------------------------------
+
+
+def test_a_field_under_two_prefixes_raises_naming_both():
+  with pytest.raises(
+    ValueError,
+    match=r"actor_rollout_ref\.actor\.optim\.lr.*"
+    r"critic\.optim\.lr",
+  ):
+    om.MuonConfig.from_overrides(
+      ["actor_rollout_ref.actor.optim.lr=1e-6", "critic.optim.lr=1e-5"]
+    )
+
+
+def test_muon_fields_with_adam_warn_once_naming_them():
+  with pytest.warns(
+    UserWarning, match=r"muon_momentum.*muon_nesterov"
+  ) as caught:
+    om.MuonConfig.from_overrides(
+      ["optimizer=adam", "muon_momentum=0.9", "muon_nesterov=true"]
+    )
+  assert len(caught) == 1
+
+
+def test_tp_mode_without_a_mesh_raises():
+  config = om.MuonConfig(optimizer="muon", muon_tp_mode="duplicated")
+  with pytest.raises(ValueError, match="muon_tp_mode='duplicated'.*mesh"):
+    config.build(3e-4)
+  om.MuonConfig(optimizer="muon").build(3e-4)  # unset: fine without a mesh
+
+
+def test_fused_qkv_without_split_raises_at_init():
+  params = {"attn": {"qkv": {"kernel": jnp.ones((16, 48))}}}
+  tx = om.MuonConfig(optimizer="muon").build(3e-4)  # params not given here
+  with pytest.raises(ValueError, match="muon_split_qkv=True.*attn/qkv/kernel"):
+    tx.init(params)
+  plain = {"mlp": {"kernel": jnp.ones((16, 48))}}
+  tx.update(plain, tx.init(plain), plain)  # no fused leaves: keeps working
+
+
+def test_from_dict_accepts_nested_sections():
+  config = om.MuonConfig.from_dict(
+    {
+      "actor": {
+        "optim": {"optimizer": "muon", "lr": 3e-4, "muon_momentum": 0.9}
+      }
+    }
+  )
+  assert (config.optimizer, config.lr, config.muon_momentum) == (
+    "muon",
+    3e-4,
+    0.9,
+  )
+
+
+def test_a_single_override_string_asks_for_a_list():
+  with pytest.raises(TypeError, match="list"):
+    om.MuonConfig.from_overrides("optimizer=muon")
+
+
+@pytest.mark.parametrize("value", [None, "null"])
+def test_a_null_weight_decay_is_a_clear_error(value):
+  with pytest.raises(ValueError, match="weight_decay.*cannot be unset"):
+    om.MuonConfig.from_dict({"weight_decay": value})

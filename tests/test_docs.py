@@ -30,6 +30,7 @@ BLOCKS = [
 
 
 # one test per block, so that the slow ones run in parallel
+@pytest.mark.integration
 @pytest.mark.parametrize(
   "path, number, block", BLOCKS, ids=[f"{p.name}[{n}]" for p, n, _ in BLOCKS]
 )
@@ -40,6 +41,7 @@ def test_code_block_runs(path, number, block):
     pytest.fail(f"{path.name} block {number} raised {error!r}:\n{block}")
 
 
+@pytest.mark.integration
 def test_the_sharding_block_runs_on_one_device():
   # the tests simulate 8 CPU devices; a reader's laptop has one
   (block,) = [

@@ -241,3 +241,66 @@ def test_muon_hyperball_with_a_radius_moves_a_zero_matrix():
   assert float(jnp.linalg.norm(params["w"] + updates["w"])) == pytest.approx(
     2.0, rel=1e-5
   )
+
+
+# errors name the argument of the function that was called -------------------
+
+
+@pytest.mark.parametrize(
+  "build, argument",
+  [
+    (
+      lambda: om.muon(
+        0.1, momentum_style="adamish", dimension_numbers="leading"
+      ),
+      "momentum_style=",
+    ),
+    (
+      lambda: om.scale_by_muon(
+        momentum_style="adamish", dimension_numbers="leading"
+      ),
+      "momentum_style=",
+    ),
+    (lambda: om.momentum(style="adamish"), "style="),
+    (
+      lambda: om.muon(0.1, scale_mode="rms", dimension_numbers="leading"),
+      "scale_mode=",
+    ),
+    (
+      lambda: om.scale_by_shape(mode="rms", dimension_numbers="leading"),
+      "mode=",
+    ),
+    (lambda: om.scale_factor(4, 4, "rms"), "mode="),
+    (
+      lambda: om.muon(0.1, mu_dtype="float33", dimension_numbers="leading"),
+      "mu_dtype=",
+    ),
+    (
+      lambda: om.muon(0.1, mu_dtype="int32", dimension_numbers="leading"),
+      "mu_dtype=",
+    ),
+    (lambda: om.momentum(dtype="float33"), "dtype="),
+  ],
+)
+def test_errors_name_the_argument_the_user_passed(build, argument):
+  with pytest.raises(ValueError) as raised:
+    build()
+  assert str(raised.value).startswith(argument), str(raised.value)
+
+
+# a zero extra scale factor --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "build",
+  [
+    lambda: om.muon(0.1, extra_scale_factor=0, dimension_numbers="leading"),
+    lambda: om.scale_by_muon(
+      extra_scale_factor=0.0, dimension_numbers="leading"
+    ),
+    lambda: om.MuonConfig(optimizer="muon", muon_extra_scale_factor=0.0),
+  ],
+)
+def test_extra_scale_factor_must_be_positive(build):
+  with pytest.raises(ValueError, match="extra_scale_factor.*> 0"):
+    build()

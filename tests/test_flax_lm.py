@@ -413,6 +413,7 @@ def test_muon_trains_on_a_data_model_mesh(tmp_path, mode):
     train_lib.parse_mesh("data=4,model=4")
 
 
+@pytest.mark.integration
 def test_blockwise_split_qkv_needs_whole_heads_per_shard(tmp_path):
   cfg = config_lib.run_config(
     SMALL
@@ -443,6 +444,7 @@ def test_qk_clip_demo_holds_the_logits_at_tau(tmp_path, model):
   assert clipped["max_logit_last_quarter"] < 1.5 * tau
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
   "fields",
   [

@@ -8,6 +8,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
 from conftest import gaussian
@@ -431,3 +433,78 @@ def test_a_layout_of_another_model_raises_at_init_naming_the_leaf():
   with pytest.raises(ValueError, match=r"w1 has shape \(8, 16\).*\(8, 32\)"):
     om.muon(0.02, layout=layout).init(other)
   om.muon(0.02, layout=layout).init(small)  # its own model is accepted
+
+
+# settings trees with paths that match no parameter --------------------------
+
+PARAMS = {
+  "attn": {"qkv": {"kernel": jnp.ones((8, 24))}},
+  "mlp": {"w": jnp.ones((8, 16))},
+  "embed": jnp.ones((12, 8)),
+  "bias": jnp.ones((8,)),
+}
+
+UNKNOWN_PATHS = {
+  "weight_decay_mask": lambda: om.muon(
+    0.1,
+    weight_decay=0.1,
+    weight_decay_mask={"mlp": {"W": True}},
+    dimension_numbers="leading",
+  ),
+  "adam_weight_decay_mask": lambda: om.muon(
+    0.1, adam_weight_decay_mask={"embedding": True}, dimension_numbers="leading"
+  ),
+  "dimension_numbers": lambda: om.muon(
+    0.1, dimension_numbers={"mlp": {"kernel": MDN(0, 1)}}
+  ),
+  "split_qkv": lambda: om.muon(
+    0.1,
+    split_qkv={"attn": {"qkv_proj": om.SplitQKV(1, 1, 8)}},
+    dimension_numbers="leading",
+  ),
+  "labels": lambda: om.muon(
+    0.1, labels={"mlp": {"W": "muon"}}, dimension_numbers="leading"
+  ),
+  "sharding.specs": lambda: om.muon(
+    0.1,
+    sharding=om.TensorParallel(
+      jax.make_mesh((1,), ("model",), axis_types=(AxisType.Explicit,)),
+      specs={"mlp": {"w": P()}, "attn": {"qkv": {"kernal": P()}}},
+    ),
+    dimension_numbers="leading",
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNKNOWN_PATHS))
+def test_a_path_that_names_no_parameter_raises_at_init(name):
+  tx = UNKNOWN_PATHS[name]()
+  with pytest.raises(ValueError) as raised:
+    tx.init(PARAMS)
+  message = str(raised.value)
+  assert message.startswith(f"{name} names"), message
+  assert "no parameter path" in message and "nearest existing paths" in message
+  nearest = {
+    "weight_decay_mask": "mlp/w",
+    "adam_weight_decay_mask": "embed",
+    "dimension_numbers": "mlp",
+    "split_qkv": "attn/qkv",
+    "labels": "mlp/w",
+    "sharding.specs": "attn/qkv/kernel",
+  }[name]
+  assert repr(nearest) in message, message
+
+
+def test_full_tree_settings_still_work_inside_the_partition():
+  # every path names a real leaf, Muon's and AdamW's alike
+  full = lambda value: jax.tree.map(lambda _: value, PARAMS)
+  tx = om.muon(
+    0.1,
+    weight_decay=0.1,
+    weight_decay_mask=full(True),
+    adam_weight_decay_mask=full(False),
+    dimension_numbers=full(None),
+    labels={"attn": "muon", "mlp": "muon", "embed": "adam", "bias": "adam"},
+  )
+  updates, _ = tx.update(PARAMS, tx.init(PARAMS), PARAMS)
+  chex.assert_trees_all_equal_shapes(updates, PARAMS)

@@ -1,6 +1,8 @@
-"""Newton–Schulz: schedules, accuracy against the SVD, robustness, precision."""
+"""Newton–Schulz: schedules, accuracy against the SVD, robustness, precision,
+complex parameters, the Gram form with a traced step count."""
 
 import importlib
+from unittest import mock
 
 import chex
 import hypothesis
@@ -8,11 +10,13 @@ import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import strategies as st
 
 import optax_muon as om
 from conftest import gaussian as _gaussian
+from conftest import polar
 
 # The package re-exports the function under the module's name.
 ns_lib = importlib.import_module("optax_muon._src.kernels.newton_schulz")
@@ -308,4 +312,72 @@ def test_fp16_has_no_complex_type():
   with pytest.raises(ValueError, match="fp16"):
     om.orthogonalize(precision="fp16").init(
       {"w": jnp.ones((4, 4), jnp.complex64)}
+    )
+
+
+# complex parameters ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(24, 56), (56, 24)], ids=["wide", "tall"])
+def test_complex_newton_schulz_is_the_complex_polar_factor(shape):
+  x = _gaussian(shape, seed=1, dtype=jnp.complex64)
+  out = om.newton_schulz(x, coefficients="polar_express", steps=8)
+  assert out.dtype == jnp.complex64
+  np.testing.assert_allclose(out, polar(x), atol=1e-5)
+  sigma = np.linalg.svd(np.asarray(om.newton_schulz(x)), compute_uv=False)
+  assert 0.7 < sigma.min() and sigma.max() < 1.2  # quintic × 5
+
+
+class ComplexMuonTest(chex.TestCase):
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_an_imaginary_gradient_gives_i_times_the_real_update(self):
+    # (iG)(iG)ᴴ = G Gᴴ, so NS(iG) = i NS(G): nothing of the update is lost
+    grad = _gaussian((16, 40), seed=2)
+    params = {"w": jnp.zeros((16, 40), jnp.complex64)}
+    tx = om.muon(0.1, mu_dtype="float32", dimension_numbers="leading")
+    update = self.variant(tx.update)
+    imaginary, state = update(
+      {"w": 1j * grad.astype(jnp.complex64)}, tx.init(params), params
+    )
+    real, _ = update({"w": grad.astype(jnp.complex64)}, tx.init(params), params)
+    assert float(jnp.abs(real["w"]).max()) > 0.01
+    chex.assert_trees_all_close(imaginary["w"], 1j * real["w"], atol=1e-6)
+    momentum = state.inner_states["muon"].inner_state[0][0].mu["w"]
+    assert momentum.dtype == jnp.complex64  # float32 asked: complex kept
+
+
+def test_complex_at_medium_precision_is_a_clear_error():
+  params = {"w": jnp.ones((8, 12), jnp.complex64)}
+  with pytest.raises(ValueError, match="precision='medium'.*complex.*leaf w"):
+    om.muon(0.1, precision="medium", dimension_numbers="leading").init(params)
+  with pytest.raises(ValueError, match="precision='medium'"):
+    om.newton_schulz(params["w"], precision="medium")
+
+
+# Gram Newton–Schulz with a traced step count --------------------------------
+
+
+def test_gram_runs_under_inject_hyperparams():
+  x = {"w": _gaussian((2, 48, 160), seed=3)}  # aspect 3.3: Gram pays
+  tx = optax.inject_hyperparams(om.orthogonalize)(
+    steps=5, method="gram", dimension_numbers="leading"
+  )
+  with mock.patch.object(
+    gram_lib, "iterate_gram", wraps=gram_lib.iterate_gram
+  ) as spy:
+    injected, _ = jax.jit(tx.update)(x, tx.init(x))
+  assert spy.call_count == 1  # the Gram form ran, with `steps` traced
+  static, _ = om.orthogonalize(
+    steps=5, method="gram", dimension_numbers="leading"
+  ).update(x, None)
+  chex.assert_trees_all_close(injected, static, atol=1e-6)
+  for steps in (1, 2, 3):  # segments of length 0 and 1
+    tx = optax.inject_hyperparams(om.orthogonalize)(
+      steps=steps, method="gram", dimension_numbers="leading"
+    )
+    static, _ = om.orthogonalize(
+      steps=steps, method="gram", dimension_numbers="leading"
+    ).update(x, None)
+    chex.assert_trees_all_close(
+      jax.jit(tx.update)(x, tx.init(x))[0], static, atol=1e-6
     )
