@@ -138,6 +138,10 @@ def polargrad(
   with ``scale_by_polargrad`` as the direction;
   ``p ← p − lr · (scale_by_polargrad(g) + weight_decay · p)``.
 
+  Unlike Muon's, the step grows with the gradients (``⟨O, u⟩`` is about the
+  momentum's nuclear norm), so Muon's learning rate is not a safe start:
+  tune ``learning_rate`` for the model and the loss's scale.
+
   The other arguments are ``scale_by_polargrad``'s and ``om.muon``'s
   (``scale_mode`` and ``match_adamw_update_rms`` do not apply; see
   ``scale_by_polargrad``).
