@@ -19,6 +19,7 @@ from conftest import ROOT
 from examples.flax_lm import checkpoint as checkpoint_lib
 from examples.flax_lm import compare as compare_lib
 from examples.flax_lm import config as config_lib
+from examples.flax_lm import distributed
 from examples.flax_lm import qk_clip_demo
 from examples.flax_lm import train as train_lib
 from examples.flax_lm.data import ByteCorpus
@@ -381,7 +382,7 @@ def test_sweep_brackets_the_best_lr_and_averages_seeds(tmp_path, monkeypatch):
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", ["duplicated", "blockwise"])
 def test_muon_trains_on_a_data_model_mesh(tmp_path, mode):
-  mesh = train_lib.parse_mesh("data=2,model=4")
+  mesh = distributed.parse_mesh("data=2,model=4")
   cfg = config_lib.run_config(
     SMALL
     + [
@@ -410,7 +411,7 @@ def test_muon_trains_on_a_data_model_mesh(tmp_path, mode):
       plain["final_val_loss"], abs=2e-3
     )
   with pytest.raises(ValueError, match="XLA_FLAGS"):
-    train_lib.parse_mesh("data=4,model=4")
+    distributed.parse_mesh("data=4,model=4")
 
 
 @pytest.mark.integration
@@ -424,7 +425,7 @@ def test_blockwise_split_qkv_needs_whole_heads_per_shard(tmp_path):
     ]
   )
   with pytest.raises(ValueError, match="split_qkv cannot split"):
-    train_lib.train(cfg, mesh=train_lib.parse_mesh("data=2,model=4"))
+    train_lib.train(cfg, mesh=distributed.parse_mesh("data=2,model=4"))
 
 
 @pytest.mark.integration

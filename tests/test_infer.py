@@ -338,13 +338,13 @@ def test_the_routing_table_lists_every_leaf():
 
 
 def test_the_docs_show_the_table_describe_prints():
-  from examples.flax_lm import train as train_lib
+  from examples.flax_lm import optimizer as optimizer_lib
   from examples.flax_lm.config import run_config
   from examples.flax_lm.model import GPT
 
   cfg = run_config(["optim.optimizer=muon"])
   params = nnx.state(GPT(cfg.model, nnx.Rngs(0)), nnx.Param)
-  table = om.describe(params, split_qkv=train_lib.split_qkv_of(cfg))
+  table = om.describe(params, split_qkv=optimizer_lib.split_qkv_of(cfg))
   page = (ROOT / "docs" / "matrices.md").read_text()
   assert table in page, table
 

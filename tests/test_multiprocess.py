@@ -66,6 +66,7 @@ import time  # noqa: E402
 
 from conftest import ROOT  # noqa: E402
 from examples.flax_lm import config as config_lib  # noqa: E402
+from examples.flax_lm import distributed  # noqa: E402
 from examples.flax_lm import launch_local  # noqa: E402
 from examples.flax_lm import train as train_lib  # noqa: E402
 
@@ -151,7 +152,7 @@ def _kill_after_first_checkpoint_and_resume(
     return
   # one process with all 8 devices: the same curve
   cfg = config_lib.run_config(args + [f"train.out_dir={tmp_path / 'one'}"])
-  train_lib.train(cfg, mesh=train_lib.parse_mesh("data=2,model=4"))
+  train_lib.train(cfg, mesh=distributed.parse_mesh("data=2,model=4"))
   for (step, two), (same_step, one) in zip(
     _val_curve(whole), _val_curve(tmp_path / "one")
   ):

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 import optax_muon as om
 from examples.flax_lm import checkpoint as checkpoint_lib
-from examples.flax_lm import train as lm_train
+from examples.flax_lm import optimizer as optimizer_lib
 from examples.grpo_arith import config as config_lib
 from examples.grpo_arith import policy
 from examples.grpo_arith import task
@@ -92,7 +92,7 @@ def optimizer(cfg: config_lib.RunConfig, params, split_qkv, layout):
 
 def train(cfg: config_lib.RunConfig, graphdef, params, split_qkv):
   """``cfg.sft.steps`` steps of completion-only cross-entropy; the params."""
-  layout = lm_train.layout_of(cfg, nnx.merge(graphdef, params))
+  layout = optimizer_lib.layout_of(cfg, nnx.merge(graphdef, params))
   tx = optimizer(cfg, params, split_qkv, layout)
   opt_state = tx.init(params)
 

@@ -35,8 +35,9 @@ import optax
 from flax import nnx
 
 from examples.flax_lm import checkpoint as checkpoint_lib
+from examples.flax_lm import metrics as metrics_lib
+from examples.flax_lm import optimizer as optimizer_lib
 from examples.flax_lm import progress
-from examples.flax_lm import train as lm_train
 from examples.flax_lm.model import GPT
 from examples.grpo_arith import config as config_lib
 from examples.grpo_arith import grpo
@@ -51,7 +52,7 @@ _logger = logging.getLogger("grpo_arith")
 def optimizer(cfg: config_lib.RunConfig, params, layout):
   """``cfg.optim`` under the warm-up/decay schedule, its peak lr an
   ``inject_hyperparams`` hyperparameter (``learning_rate``) that a rollback
-  halves; ``layout`` from ``lm_train.layout_of``."""
+  halves; ``layout`` from ``optimizer_lib.layout_of``."""
 
   def make(learning_rate):
     schedule = grpo.warmup_decay(
@@ -61,8 +62,8 @@ def optimizer(cfg: config_lib.RunConfig, params, layout):
       schedule,
       params=params,
       layout=layout,
-      split_qkv=lm_train.split_qkv_of(cfg),
-      attention=lm_train.attention_of(cfg),
+      split_qkv=optimizer_lib.split_qkv_of(cfg),
+      attention=optimizer_lib.attention_of(cfg),
     )
 
   return optax.inject_hyperparams(make)(learning_rate=cfg.optim.lr)
@@ -70,7 +71,7 @@ def optimizer(cfg: config_lib.RunConfig, params, layout):
 
 def parameter_group(path) -> str:
   """``attn/qkv``, ``mlp/fc``, ``wte``, ...: a leaf's layer-free name."""
-  return lm_train.matrix_group(path).replace("/embedding", "")
+  return metrics_lib.matrix_group(path).replace("/embedding", "")
 
 
 class Policy:
@@ -79,13 +80,13 @@ class Policy:
   def __init__(self, cfg: config_lib.RunConfig):
     self.cfg = cfg
     model = GPT(cfg.model, nnx.Rngs(cfg.train.seed))
-    self.layout = lm_train.layout_of(cfg, model)
+    self.layout = optimizer_lib.layout_of(cfg, model)
     self.graphdef, self.initial_params = nnx.split(model)
     self.tx = optimizer(cfg, self.initial_params, self.layout)
     graphdef, tx, run = self.graphdef, self.tx, cfg.train
     matrices = {
       key: parameter_group(path)
-      for key, (path, leaf) in lm_train.named_leaves(
+      for key, (path, leaf) in metrics_lib.named_leaves(
         self.initial_params
       ).items()
       if leaf.ndim >= 2
@@ -114,7 +115,7 @@ class Policy:
         loss_fn, has_aux=True
       )(params, prompts, completions, reference, advantages)
       extra = (
-        {"max_logits": lm_train.max_logits_by_layer(cfg, max_logits)}
+        {"max_logits": optimizer_lib.max_logits_by_layer(cfg, max_logits)}
         if cfg.optim.qk_clip
         else {}
       )
@@ -125,7 +126,7 @@ class Policy:
         "grad_norm": optax.tree.norm(grads),
         "max_logit": max_logits.max(),
       }
-      metrics |= lm_train.update_rms_by_group(updates, matrices)
+      metrics |= metrics_lib.update_rms_by_group(updates, matrices)
       return params, opt_state, metrics
 
     self.step = step
@@ -198,7 +199,7 @@ def train(
   out.mkdir(parents=True, exist_ok=True)
   model = Policy(cfg)
   reference, sft_info = sft.load_or_train(
-    cfg, model.graphdef, model.initial_params, lm_train.split_qkv_of(cfg)
+    cfg, model.graphdef, model.initial_params, optimizer_lib.split_qkv_of(cfg)
   )
   # the step donates the params it is given; the reference stays
   params = jax.tree.map(jnp.copy, reference)
@@ -244,19 +245,11 @@ def train(
     )
   start = state["step"]
   metrics_path = out / "metrics.jsonl"
-  # a resumed run drops what was logged after its checkpoint
-  metrics_path.write_text(
-    "".join(line + "\n" for line in lm_train.read_metrics(metrics_path, start))
-    if start
-    else ""
-  )
+  log = metrics_lib.MetricsLog(metrics_path, start)
   if start == 0:
-    with metrics_path.open("a") as log:
+    with log:
       log.write(
-        json.dumps(
-          {"step": 0, "test_accuracy": state["sft_accuracy"], "lr": state["lr"]}
-        )
-        + "\n"
+        {"step": 0, "test_accuracy": state["sft_accuracy"], "lr": state["lr"]}
       )
   shaped = run.reward == "shaped"
   bar = progress.step_bar(
@@ -269,7 +262,7 @@ def train(
     disable=not run.progress,
     mininterval=2.0,
   )
-  with metrics_path.open("a") as log:
+  with log:
     for step in bar:
       tick = time.perf_counter()
       rng = np.random.default_rng([run.seed, step, 1])
@@ -361,8 +354,7 @@ def train(
         acc=f"{state['accuracies'][str(state['step'])]:.3f}",
         refresh=False,
       )
-      log.write(json.dumps(record) + "\n")
-      log.flush()
+      log.write(record)
   if state["test"] is None:  # the run ended on a rollback
     state["test"] = evaluate(
       model, params, test_prompts, test_problems, 0.0, eval_key
