@@ -16,6 +16,7 @@ from optax.contrib import MuonDimensionNumbers as Dims
 
 import optax_muon as om
 from conftest import ROOT
+from conftest import normal
 from optax_muon._src.parallel import waves
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -34,17 +35,17 @@ def _tree():
   """Stacked and per-layer kernels, column- and row-parallel, fused QKV and
   gate/up, experts, a replicated matrix."""
   keys = iter(jax.random.split(jax.random.key(0), 16))
-  normal = lambda shape: jax.random.normal(next(keys), shape)
+  draw = lambda shape: normal(next(keys), shape)
   params = {
-    "stack_col": normal((8, 32, 64)),
-    "stack_row": normal((8, 64, 32)),
-    "layer0": normal((32, 64)),
-    "layer1": normal((32, 64)),
-    "layer0_row": normal((64, 32)),
-    "experts": normal((2, 4, 16, 32)),  # (layers, experts, in, out)
-    "qkv": normal((32, 128)),
-    "gate_up": normal((4, 32, 128)),
-    "replicated": normal((24, 40)),
+    "stack_col": draw((8, 32, 64)),
+    "stack_row": draw((8, 64, 32)),
+    "layer0": draw((32, 64)),
+    "layer1": draw((32, 64)),
+    "layer0_row": draw((64, 32)),
+    "experts": draw((2, 4, 16, 32)),  # (layers, experts, in, out)
+    "qkv": draw((32, 128)),
+    "gate_up": draw((4, 32, 128)),
+    "replicated": draw((24, 40)),
   }
   specs = {
     "stack_col": P(None, None, "model"),

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
+from conftest import normal
 from optax_muon import compat
 
 HOST = "pinned_host"
@@ -24,10 +25,10 @@ def _kinds(state):
 def _tree():
   keys = iter(jax.random.split(jax.random.key(0), 8))
   params = {
-    "embed": jax.random.normal(next(keys), (64, 32)),
-    "col": jax.random.normal(next(keys), (32, 64)),
-    "row": jax.random.normal(next(keys), (64, 32)),
-    "stack": jax.random.normal(next(keys), (4, 32, 64)),
+    "embed": normal(next(keys), (64, 32)),
+    "col": normal(next(keys), (32, 64)),
+    "row": normal(next(keys), (64, 32)),
+    "stack": normal(next(keys), (4, 32, 64)),
     "bias": jnp.zeros(64),
   }
   specs = {

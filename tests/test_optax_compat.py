@@ -9,23 +9,24 @@ import pytest
 from flax import nnx
 
 import optax_muon as om
+from conftest import normal
 
 
 def _params():
   keys = jax.random.split(jax.random.key(0), 3)
   return {
     "dense": {
-      "kernel": jax.random.normal(keys[0], (16, 32)),
+      "kernel": normal(keys[0], (16, 32)),
       "bias": jnp.zeros((32,)),
     },
-    "stacked": {"kernel": jax.random.normal(keys[1], (3, 32, 8))},
-    "embed": {"embedding": jax.random.normal(keys[2], (40, 16))},
+    "stacked": {"kernel": normal(keys[1], (3, 32, 8))},
+    "embed": {"embedding": normal(keys[2], (40, 16))},
   }
 
 
 def _grads(seed):
   return jax.tree.map(
-    lambda p: jax.random.normal(jax.random.key(seed), p.shape), _params()
+    lambda p: normal(jax.random.key(seed), p.shape), _params()
   )
 
 
@@ -136,9 +137,9 @@ def test_like_for_like_equals_optax_contrib_muon(weight_decay):
   # (Newton–Schulz is scale-invariant) and its Adam is AdamW.
   keys = jax.random.split(jax.random.key(0), 3)
   params = {
-    "w": jax.random.normal(keys[0], (64, 256)),
-    "v": jax.random.normal(keys[1], (256, 64)),
-    "b": jax.random.normal(keys[2], (64,)),
+    "w": normal(keys[0], (64, 256)),
+    "v": normal(keys[1], (256, 64)),
+    "b": normal(keys[2], (64,)),
   }
   theirs = optax.contrib.muon(
     0.02,
@@ -163,7 +164,7 @@ def test_like_for_like_equals_optax_contrib_muon(weight_decay):
   s_theirs, s_ours = theirs.init(params), ours.init(params)
   for t in range(5):
     grads = jax.tree.map(
-      lambda x: jax.random.normal(jax.random.key(10 + t), x.shape), params
+      lambda x: normal(jax.random.key(10 + t), x.shape), params
     )
     u_theirs, s_theirs = theirs.update(grads, s_theirs, p_theirs)
     u_ours, s_ours = ours.update(grads, s_ours, p_ours)

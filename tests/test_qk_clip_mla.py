@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
 from conftest import gaussian
+from conftest import normal
 
 
 def _maxtext_clip(wq_b, wkv_b, max_logits_batch, threshold, nope):
@@ -40,8 +41,8 @@ def _maxtext_clip(wq_b, wkv_b, max_logits_batch, threshold, nope):
 
 def test_maxtext_apply_qk_clip_logic():
   rng_q, rng_kv = jax.random.split(jax.random.PRNGKey(0))
-  wq_b = jax.random.normal(rng_q, (2, 2, 6))  # [rank, heads, dim]
-  wkv_b = jax.random.normal(rng_kv, (2, 2, 6))
+  wq_b = normal(rng_q, (2, 2, 6))  # [rank, heads, dim]
+  wkv_b = normal(rng_kv, (2, 2, 6))
   # head 0: 20 > 10, γ = 0.5; head 1: 5 < 10, untouched
   new_wq, new_wkv = _maxtext_clip(
     wq_b, wkv_b, jnp.array([[20.0, 5.0]]), 10.0, 4
@@ -59,7 +60,7 @@ def test_maxtext_apply_qk_clip_logic():
 
 
 def test_maxtext_per_head_clipping():
-  wq_b = jax.random.normal(jax.random.PRNGKey(1), (1, 3, 6))
+  wq_b = normal(jax.random.PRNGKey(1), (1, 3, 6))
   new_wq, _ = _maxtext_clip(
     wq_b, jnp.zeros((1, 3, 6)), jnp.array([[40.0, 9.9, 1.0]]), 10.0, 4
   )
@@ -70,14 +71,14 @@ def test_maxtext_per_head_clipping():
 
 
 def test_maxtext_no_clipping_below_threshold_and_parity_case():
-  wq_b = jax.random.normal(jax.random.PRNGKey(2), (2, 1, 6))
+  wq_b = normal(jax.random.PRNGKey(2), (2, 1, 6))
   new_wq, new_wkv = _maxtext_clip(wq_b, wq_b, jnp.array([[50.0]]), 100.0, 4)
   np.testing.assert_array_equal(new_wq, wq_b)
   np.testing.assert_array_equal(new_wkv, wq_b)
   # MaxText's Linen/NNX parity case: logits [40, 9] at τ = 10
   rng_q, rng_kv = jax.random.split(jax.random.PRNGKey(7))
-  wq_b = jax.random.normal(rng_q, (2, 2, 6))
-  wkv_b = jax.random.normal(rng_kv, (2, 2, 6))
+  wq_b = normal(rng_q, (2, 2, 6))
+  wkv_b = normal(rng_kv, (2, 2, 6))
   new_wq, new_wkv = _maxtext_clip(
     wq_b, wkv_b, jnp.array([[40.0, 9.0]]), 10.0, 4
   )
@@ -298,8 +299,8 @@ def test_missing_max_logits_is_an_error_not_a_silent_skip():
 
 def _scanned_maxtext(layers=3, rank=2, heads=2, nope=4, rope=2, v=4, seed=0):
   keys = jax.random.split(jax.random.PRNGKey(seed), 2)
-  wq_b = jax.random.normal(keys[0], (rank, layers, heads, nope + rope))
-  wkv_b = jax.random.normal(keys[1], (rank, layers, heads, nope + v))
+  wq_b = normal(keys[0], (rank, layers, heads, nope + rope))
+  wkv_b = normal(keys[1], (rank, layers, heads, nope + v))
   logits = jnp.array([[20.0, 5.0], [1.0, 30.0], [50.0, 50.0]])[:layers]
   dims = dict(
     num_heads=heads, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
 from conftest import ROOT
+from conftest import normal
 from optax_muon._src.parallel.allgather import shares_out
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -33,14 +34,14 @@ def _mesh(shape, axis_type=AxisType.Explicit):
 
 def _tree():
   keys = iter(jax.random.split(jax.random.key(0), 8))
-  normal = lambda shape: jax.random.normal(next(keys), shape)
+  draw = lambda shape: normal(next(keys), shape)
   params = {
-    "wide_in": normal((32, 64)),
-    "wide_out": normal((32, 64)),
-    "tall_in": normal((64, 32)),
-    "tall_out": normal((64, 32)),
-    "stacked": normal((2, 32, 48)),
-    "attn": {"qkv": normal((32, 96))},
+    "wide_in": draw((32, 64)),
+    "wide_out": draw((32, 64)),
+    "tall_in": draw((64, 32)),
+    "tall_out": draw((64, 32)),
+    "stacked": draw((2, 32, 48)),
+    "attn": {"qkv": draw((32, 96))},
   }
   specs = {
     "wide_in": P("model", None),
@@ -129,12 +130,8 @@ def _allgather_tree():
   # 8 column-parallel and 9 row-parallel matrices: at least the axis size on
   # every mesh, and 9 a multiple of none of 2, 4, 8 (the stack is padded)
   keys = iter(jax.random.split(jax.random.key(7), 17))
-  params = {
-    f"col{i}": jax.random.normal(next(keys), (32, 64)) for i in range(8)
-  }
-  params |= {
-    f"row{i}": jax.random.normal(next(keys), (64, 32)) for i in range(9)
-  }
+  params = {f"col{i}": normal(next(keys), (32, 64)) for i in range(8)}
+  params |= {f"row{i}": normal(next(keys), (64, 32)) for i in range(9)}
   specs = {
     k: P(None, "model") if k.startswith("col") else P("model", None)
     for k in params
@@ -174,8 +171,8 @@ def test_allgather_all_to_all_path_equals_the_unsharded_update(mesh_shape):
 def test_sharded_batch_axes_stay_local_and_equal_the_unsharded_update(mode):
   mesh = _mesh((2, 4))
   params = {
-    "layers": jax.random.normal(jax.random.key(3), (8, 32, 64)),
-    "experts": jax.random.normal(jax.random.key(4), (4, 2, 48, 16)),
+    "layers": normal(jax.random.key(3), (8, 32, 64)),
+    "experts": normal(jax.random.key(4), (4, 2, 48, 16)),
   }
   specs = {"layers": P("model", None, None), "experts": P("model", "data")}
   tx = om.scale_by_muon(
@@ -305,9 +302,7 @@ def test_allgather_shares_out_when_it_moves_fewer_bytes(count, ranks, shares):
 
 def test_allgather_pads_four_leaves_over_eight_ranks_at_half_the_bytes():
   mesh = _mesh((8,))
-  params = {
-    f"w{i}": jax.random.normal(jax.random.key(i), (32, 64)) for i in range(4)
-  }
+  params = {f"w{i}": normal(jax.random.key(i), (32, 64)) for i in range(4)}
   specs = {k: P(None, "model") for k in params}
   moved = {}
   for mode in ("duplicated", "allgather"):
@@ -329,14 +324,9 @@ def test_allgather_stacks_transposed_shapes_together():
   # an MLP's up (32×128, columns split) and down (128×32, rows split) kernels
   # are each other's transposes: one group of four, not two groups of two
   mesh = _mesh((2, 4))
-  params = {
-    f"up{i}": jax.random.normal(jax.random.key(i), (32, 128)) for i in range(2)
-  }
+  params = {f"up{i}": normal(jax.random.key(i), (32, 128)) for i in range(2)}
   params.update(
-    {
-      f"down{i}": jax.random.normal(jax.random.key(5 + i), (128, 32))
-      for i in range(2)
-    }
+    {f"down{i}": normal(jax.random.key(5 + i), (128, 32)) for i in range(2)}
   )
   specs = {
     k: P(None, "model") if k.startswith("up") else P("model", None)
@@ -356,7 +346,7 @@ def test_allgather_stacks_transposed_shapes_together():
 
 def test_fsdp_axis_is_gathered_for_the_matrix_and_resplit():
   mesh = _mesh((2, 4))
-  x = jax.random.normal(jax.random.key(1), (32, 64))
+  x = normal(jax.random.key(1), (32, 64))
   tx = om.orthogonalize(
     sharding=om.TensorParallel(mesh, mode="duplicated"),
     dimension_numbers="leading",
@@ -448,9 +438,7 @@ def test_distribute_over_data_splits_the_newton_schulz_work():
   mesh = _mesh((8, 1))
   # Each matrix is the largest of the update (320 KiB), which alone would not
   # be stacked; split over the data ranks, the stack is.
-  tree = {
-    f"w{i}": jax.random.normal(jax.random.key(i), (128, 640)) for i in range(8)
-  }
+  tree = {f"w{i}": normal(jax.random.key(i), (128, 640)) for i in range(8)}
   specs = {k: P() for k in tree}
 
   def flops(distribute_over):
@@ -507,7 +495,7 @@ def test_flax_model_with_partitioning_trains(mode):
       om.muon(0.02, sharding=tp, dimension_numbers="leading"),
       wrt=nnx.Param,
     )
-    x = jax.random.normal(jax.random.key(0), (32, 16))
+    x = normal(jax.random.key(0), (32, 16))
 
     @nnx.jit
     def step(model, optimizer):
