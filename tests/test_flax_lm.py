@@ -623,3 +623,21 @@ def test_an_offloaded_run_resumes_exactly(tmp_path):
   built = train_lib.build(config_lib.run_config(common))
   kinds = {x.sharding.memory_kind for x in jax.tree.leaves(built.opt_state)}
   assert kinds == {"pinned_host"}
+
+
+@pytest.mark.integration
+def test_a_mesh_run_compiles_its_step_once():
+  # the step returns params and state with the shardings it took them in, so
+  # the second step reuses the first's program (it used to compile again)
+  cfg = config_lib.run_config(
+    SMALL + ["optim.optimizer=muon", "model.n_head=4"]
+  )
+  mesh = distributed.parse_mesh("data=2,model=4")
+  built = train_lib.build(cfg, mesh)
+  corpus = ByteCorpus(cfg.train.data, max_bytes=cfg.train.max_bytes)
+  place = distributed.batch_placer(mesh)
+  params, opt_state = built.params, built.opt_state
+  for step in range(3):
+    batch = corpus.batch("train", step, 8, cfg.model.block_size, 0)
+    params, opt_state, _ = built.train_step(params, opt_state, *place(batch))
+  assert built.train_step._cache_size() == 1

@@ -59,7 +59,7 @@ class LinenLM(nn.Module):
 @pytest.fixture(scope="module")
 def linen():
   model = LinenLM()
-  params = model.init(jax.random.key(0), TOKENS)
+  params = jax.jit(model.init)(jax.random.key(0), TOKENS)
   return params, om.infer_layout(lambda p, t: model.apply(p, t), params, TOKENS)
 
 
@@ -175,7 +175,7 @@ class ScannedLinen(nn.Module):
 def test_linen_scan_over_axis_one_is_a_batch_axis():
   model = ScannedLinen()
   x = gaussian((4, 16))
-  params = model.init(jax.random.key(0), x)
+  params = jax.jit(model.init)(jax.random.key(0), x)
   layout = om.infer_layout(
     lambda p, x: model.apply(p, x), params, x, output=lambda out: ()
   )  # no head in this stack
@@ -207,7 +207,7 @@ class ConvNet(nn.Module):
 def test_conv_kernels_are_fan_in_by_fan_out_and_depthwise_goes_to_adam():
   model = ConvNet()
   x = gaussian((2, 8, 8, 3))
-  params = model.init(jax.random.key(0), x)
+  params = jax.jit(model.init)(jax.random.key(0), x)
   layout = om.infer_layout(lambda p, x: model.apply(p, x), params, x)
   roles, labels = _by_path(layout.roles), _by_path(layout.labels)
   dims = _by_path(layout.dimension_numbers)

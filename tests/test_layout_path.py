@@ -380,7 +380,7 @@ def test_haiku_params_route_by_their_layout():
 
   model = hk.without_apply_rng(hk.transform(forward))
   x = jnp.ones((2, 8))
-  params = model.init(jax.random.key(0), x)
+  params = jax.jit(model.init)(jax.random.key(0), x)
   layout = om.infer_layout(model.apply, params, x)
   assert layout.labels == {
     "linear": {"w": "muon", "b": "adam"},

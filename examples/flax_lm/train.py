@@ -12,7 +12,6 @@ The optimizer is ``optimizer.py``'s; a mesh and several processes,
 
 import argparse
 import contextlib
-import functools
 import json
 import logging
 import pathlib
@@ -74,7 +73,6 @@ def build(cfg: config_lib.RunConfig, mesh=None) -> Built:
     ).mean()
     return loss, max_logits
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
   def train_step(params, opt_state, inputs, targets):
     (loss, max_logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(
       params, inputs, targets
@@ -92,10 +90,27 @@ def build(cfg: config_lib.RunConfig, mesh=None) -> Built:
     )
     return params, opt_state, metrics
 
+  opt_state = tx.init(params)
+  out_shardings = None
+  if mesh is not None:
+    # the step hands params and state back where it took them, so that the
+    # second step does not compile again for other shardings
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_state = jax.tree.map(
+      lambda x: (
+        checkpoint_lib.place(np.asarray(x), replicated)
+        if isinstance(x.sharding, jax.sharding.SingleDeviceSharding)
+        else x
+      ),
+      opt_state,
+    )
+    out_shardings = (
+      *jax.tree.map(lambda x: x.sharding, (params, opt_state)),
+      replicated,
+    )
+  step = jax.jit(train_step, donate_argnums=(0, 1), out_shardings=out_shardings)
   eval_loss = jax.jit(lambda *args: loss_fn(*args)[0])
-  return Built(
-    graphdef, params, tx, tx.init(params), train_step, eval_loss, labels, layout
-  )
+  return Built(graphdef, params, tx, opt_state, step, eval_loss, labels, layout)
 
 
 def evaluate(eval_loss, params, corpus, cfg) -> float:

@@ -26,9 +26,9 @@ METHODS = typing.get_args(types.Method)
 # whole stack live. So a stack holds at most as many bytes as the largest
 # matrix of the update (what doing the matrices one by one needs anyway),
 # but at least MIN_STACK_BYTES, and never more than STACK_BYTES, past which a
-# stack only adds memory traffic (24 stacked 1024×4096 leaves: 1.11× optax's
-# time). On the example GPT this keeps the peak temporary bytes under
-# optax.contrib.muon's (benchmarks/memory.py).
+# stack only adds memory traffic. The times and peak bytes this gives against
+# optax.contrib.muon are measured by benchmarks/update_vs_optax.py and
+# benchmarks/memory.py and recorded in docs/performance.md.
 STACK_BYTES = 1 << 24
 MIN_STACK_BYTES = 1 << 18
 
