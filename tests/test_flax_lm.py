@@ -21,6 +21,7 @@ from examples.flax_lm import compare as compare_lib
 from examples.flax_lm import config as config_lib
 from examples.flax_lm import distributed
 from examples.flax_lm import qk_clip_demo
+from examples.flax_lm import runs as runs_lib
 from examples.flax_lm import train as train_lib
 from examples.flax_lm.data import ByteCorpus
 
@@ -253,7 +254,7 @@ def test_compare_caches_compiled_programs_for_the_call():
   original = {name: getattr(jax.config, name) for name in settings}
   try:
     jax.config.update("jax_compilation_cache_dir", None)
-    with compare_lib.compilation_cache():
+    with runs_lib.compilation_cache():
       folder = jax.config.jax_compilation_cache_dir
       assert "compare-jax-cache-" in folder
       assert pathlib.Path(folder).is_dir()
@@ -266,7 +267,7 @@ def test_compare_caches_compiled_programs_for_the_call():
     )
     # a user's own cache is kept
     jax.config.update("jax_compilation_cache_dir", "/theirs")
-    with compare_lib.compilation_cache():
+    with runs_lib.compilation_cache():
       assert jax.config.jax_compilation_cache_dir == "/theirs"
   finally:
     for name, value in original.items():

@@ -29,19 +29,15 @@ Newton–Schulz of whichever matrices the contestant orthogonalizes).
 """
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import logging
 import pathlib
 import shutil
 import statistics
-import tempfile
-
-import jax
 
 from examples.flax_lm import config as config_lib
 from examples.flax_lm import progress
+from examples.flax_lm import runs as runs_lib
 from examples.flax_lm import train as train_lib
 
 ADAPTIVE = "optim.optimizer=adaptive_muon"
@@ -207,14 +203,6 @@ def plot(runs: dict, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
-def _as_dict(cfg) -> dict:
-  """The run's settings, without where it was written (results move)."""
-  settings = json.loads(json.dumps(dataclasses.asdict(cfg), default=float))
-  for field in ("out_dir", "progress"):
-    settings["train"].pop(field)
-  return settings
-
-
 def run_one(
   overrides,
   contestant: str,
@@ -240,44 +228,16 @@ def run_one(
       f"train.progress={runs_bar is not None and runs_bar.enabled}",
     ]
   )
-  if runs_bar is not None:
-    runs_bar.start(name)
-  final, trained = reuse_or_train(
+  final = runs_lib.run_shown(
+    name,
     run_dir,
-    _as_dict(cfg),
+    runs_lib.settings_of(cfg),
     lambda: train_lib.train(cfg, nested_progress=runs_bar is not None),
     reuse,
+    runs_bar,
+    describe=lambda final: f"val loss {final['final_val_loss']:.4f}",
   )
-  line = f"  {name}: val loss {final['final_val_loss']:.4f}" + (
-    "" if trained else " (reused)"
-  )
-  if runs_bar is not None:
-    runs_bar.done(line)
-  elif trained:
-    print(line, flush=True)
   return final, run_dir
-
-
-def reuse_or_train(
-  run_dir: pathlib.Path, settings: dict, train, reuse: bool
-) -> tuple[dict, bool]:
-  """``(final, trained)``: with ``reuse``, the ``final.json`` of a run in
-  ``run_dir`` that finished with ``settings``; else ``train()``'s, run afresh,
-  its settings recorded (``config.json``) and its checkpoints dropped (the
-  curves suffice)."""
-  finished, recorded = run_dir / "final.json", run_dir / "config.json"
-  if (
-    reuse
-    and finished.exists()
-    and recorded.exists()
-    and json.loads(recorded.read_text()) == settings
-  ):
-    return json.loads(finished.read_text()), False
-  shutil.rmtree(run_dir, ignore_errors=True)
-  final = train()
-  recorded.write_text(json.dumps(settings))
-  shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-  return final, True
 
 
 def sweep(
@@ -434,39 +394,6 @@ def corpus_note(summary: dict, recorded: pathlib.Path = RECORDED) -> str:
   )
 
 
-@contextlib.contextmanager
-def compilation_cache():
-  """JAX's persistent compilation cache in a temporary folder for the call,
-  unless one is configured: the runs of one lr (its seeds) share their
-  compiled programs instead of compiling them again."""
-  if jax.config.jax_compilation_cache_dir:
-    yield
-    return
-  min_time = jax.config.jax_persistent_cache_min_compile_time_secs
-  with tempfile.TemporaryDirectory(prefix="compare-jax-cache-") as folder:
-    jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    try:
-      yield
-    finally:
-      jax.config.update("jax_compilation_cache_dir", None)
-      jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
-
-
-def parse_lrs(items, names) -> dict:
-  """``["adam=1e-3,2e-3", ...]`` as ``{"adam": (1e-3, 2e-3), ...}``; every
-  name must be one of ``names``."""
-  sweeps = {}
-  for item in items:
-    name, _, lrs = item.partition("=")
-    if name not in names or not lrs:
-      raise ValueError(
-        f"--lrs {item!r}: expected NAME=LR,LR with NAME in {list(names)}"
-      )
-    sweeps[name] = tuple(float(lr) for lr in lrs.split(","))
-  return sweeps
-
-
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
@@ -508,9 +435,9 @@ def main(argv=None):
   if args.all and args.lrs:
     parser.error("--all and --lrs: pass one (--lrs names the contestants)")
   try:
-    sweeps = parse_lrs(args.lrs, CONTESTANTS) if args.lrs else None
+    sweeps = runs_lib.parse_lrs(args.lrs, CONTESTANTS) if args.lrs else None
     seeds = tuple(int(seed) for seed in args.seeds.split(","))
-    with compilation_cache():
+    with runs_lib.compilation_cache():
       summary = compare(
         args.overrides,
         sweeps=sweeps,

@@ -16,7 +16,6 @@ themselves under ``runs/``.
 """
 
 import argparse
-import dataclasses
 import json
 import logging
 import pathlib
@@ -25,8 +24,7 @@ import shutil
 import numpy as np
 
 from examples.flax_lm import progress
-from examples.flax_lm.compare import parse_lrs
-from examples.flax_lm.compare import reuse_or_train
+from examples.flax_lm import runs as runs_lib
 from examples.grpo_arith import config as config_lib
 from examples.grpo_arith import plots
 from examples.grpo_arith import train as train_lib
@@ -36,14 +34,6 @@ SWEEPS = {
   "small": {"muon": (1e-4, 2e-4, 4e-4), "adam": (1e-4, 2e-4, 4e-4)},
 }
 LABELS = {"muon": "Muon", "adam": "AdamW"}
-
-
-def _settings(cfg) -> dict:
-  """The run's settings, without where it was written."""
-  settings = json.loads(json.dumps(dataclasses.asdict(cfg)))
-  for field in ("out_dir", "sft_dir", "progress", "name"):
-    settings["train"].pop(field)
-  return settings
 
 
 def run_one(
@@ -75,23 +65,19 @@ def run_one(
       f"train.progress={runs_bar is not None and runs_bar.enabled}",
     ]
   )
-  if runs_bar is not None:
-    runs_bar.start(name)
-  final, trained = reuse_or_train(
+  final = runs_lib.run_shown(
+    name,
     run_dir,
-    _settings(cfg),
+    runs_lib.settings_of(cfg, ("out_dir", "sft_dir", "progress", "name")),
     lambda: train_lib.train(cfg, nested_progress=runs_bar is not None),
     reuse,
+    runs_bar,
+    describe=lambda final: (
+      f"greedy accuracy {final['sft_accuracy']:.3f} -> "
+      f"{final['final_accuracy']:.3f} ({final['rollbacks']} rollbacks, "
+      f"format {final['format_rate']:.2f})"
+    ),
   )
-  line = (
-    f"  {name}: greedy accuracy {final['sft_accuracy']:.3f} -> "
-    f"{final['final_accuracy']:.3f} ({final['rollbacks']} rollbacks, "
-    f"format {final['format_rate']:.2f})" + ("" if trained else " (reused)")
-  )
-  if runs_bar is not None:
-    runs_bar.done(line)
-  elif trained:
-    print(line, flush=True)
   return dict(final, name=name, dir=str(run_dir))
 
 
@@ -222,7 +208,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.WARNING)
   try:
-    sweeps = parse_lrs(args.lrs, LABELS) if args.lrs else None
+    sweeps = runs_lib.parse_lrs(args.lrs, LABELS) if args.lrs else None
     summary = compare(
       args.overrides, sweeps=sweeps, out=args.out, reuse=not args.fresh
     )
