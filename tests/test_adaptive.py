@@ -243,6 +243,42 @@ def test_exact_tp_modes_equal_the_unsharded_update(method, mesh_shape):
       )
 
 
+@pytest.mark.parametrize("method", ["adamuon", "normuon", "namo"])
+def test_the_sharded_second_moment_starts_as_the_update_leaves_it(method):
+  # init gives the second moment the sharding update returns: split like
+  # its parameter, not a replicated copy of it, so a 70B state is not
+  # materialized whole at init and the jitted update compiles once.
+  from jax.sharding import AxisType
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh(
+    (2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2
+  )
+  params = {"wide": gaussian((32, 64), 1), "tall": gaussian((64, 32), 2)}
+  specs = {"wide": P(None, "model"), "tall": P("model", None)}
+  sharded = jax.tree.map(
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs
+  )
+  tx = om.scale_by_adaptive_muon(
+    moment2_method=method,
+    sharding=om.TensorParallel(mesh, mode="distributed"),
+  )
+  with jax.set_mesh(mesh):
+    state = tx.init(sharded)
+    step = jax.jit(tx.update)
+    _, after = step(sharded, state)
+    step(sharded, after)
+  for (path, start), end in zip(
+    jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(after)
+  ):
+    assert start.sharding == end.sharding, jax.tree_util.keystr(path)
+  assert step._cache_size() == 1
+  if method == "adamuon":  # elementwise: a quarter of each on each device
+    for moment in jax.tree.leaves(state.moment2):
+      assert moment.addressable_shards[0].data.size == moment.size // 4
+
+
 def _collectives(tx, mesh, params, specs) -> dict:
   import re
 

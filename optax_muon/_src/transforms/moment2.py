@@ -85,32 +85,40 @@ def scale_by_moment2(
     dimension_numbers, split_qkv, split_gate_up
   )
 
+  def statistic(o, g=None):
+    """What the second moment averages: ``o²`` (adamuon), its mean over the
+    shorter axis (normuon), ``‖g‖²_F`` (namo)."""
+    if method == "adamuon":
+      return jnp.square(o)
+    if method == "normuon":
+      shorter = -2 if o.shape[-1] >= o.shape[-2] else -1
+      return jnp.mean(jnp.square(o), axis=shorter, keepdims=True)
+    return jnp.square(frobenius(g))
+
   def init_fn(params):
+    # Zeros of the statistic of each matrix piece, not of its bare shape:
+    # they take the sharding the update gives them (as zeros_like keeps a
+    # momentum's), so a sharded state is not replicated at init and a
+    # jitted update compiles once, not again at step 2.
     moments = []
-    for _, _, view in resolve_views(params):
-      count = int(np.prod(view.batch_shape))
+    for _, leaf, view in resolve_views(params):
       moments.append(
         tuple(
-          jnp.zeros(moment2_shape(method, count, fan_in, fan_out), jnp.float32)
-          for fan_in, fan_out in view.matrix_shapes
+          jnp.zeros_like(statistic(piece, piece), jnp.float32)
+          for piece in view.to_matrices(leaf)
         )
       )
     return Moment2State(jax.tree.unflatten(jax.tree.structure(params), moments))
 
   def normalize(o, v, g=None, u=None):
+    v = beta2 * v + (1 - beta2) * statistic(o, g)
     if method == "adamuon":
-      v = beta2 * v + (1 - beta2) * jnp.square(o)
       return o / (jnp.sqrt(v) + eps), v
     if method == "normuon":
-      shorter = -2 if v.shape[-2] == 1 else -1
-      v = beta2 * v + (1 - beta2) * jnp.mean(
-        jnp.square(o), axis=shorter, keepdims=True
-      )
       normalized = o * jax.lax.rsqrt(jnp.maximum(v, eps))
       # NorMuon keeps the polar factor's Frobenius norm (EO 0.3.0 does)
       ratio = frobenius(o) / jnp.maximum(frobenius(normalized), _TINY)
       return normalized * ratio, v
-    v = beta2 * v + (1 - beta2) * jnp.square(frobenius(g))
     return o * (frobenius(u) / (jnp.sqrt(v) + eps)), v
 
   def update_fn(
