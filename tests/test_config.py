@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
+from conftest import normal
 
 # verl's actor.optim and Megatron-Core's muon_* defaults (DESIGN §7); None is
 # "unset": muon_tp_mode resolves to blockwise with a mesh, the extra factor to
@@ -278,9 +279,7 @@ def _three_steps(tx, params):
 
 def _forward_params():
   keys = iter(jax.random.split(jax.random.key(0), 12))
-  return jax.tree.map(
-    lambda x: jax.random.normal(next(keys), x.shape), FORWARD_PARAMS
-  )
+  return jax.tree.map(lambda x: normal(next(keys), x.shape), FORWARD_PARAMS)
 
 
 @functools.lru_cache

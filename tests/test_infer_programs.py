@@ -9,6 +9,7 @@ from flax import nnx
 
 import optax_muon as om
 from conftest import gaussian
+from conftest import normal
 from optax_muon._src.inference import jaxprs as _jaxprs
 
 MDN = om.MuonDimensionNumbers
@@ -394,7 +395,7 @@ class GemmaKVLoRA(nnx.Module):
   """Gemma's fused kv_einsum with a qwix-shaped LoRA: B is (r, 2, K, H)."""
 
   def __init__(self, rngs):
-    init = nnx.initializers.normal(0.1)
+    init = lambda key, shape: normal(key, shape) * jnp.float32(0.1)
     self.q = nnx.Param(init(rngs.params(), (2, 16, 8)))
     self.kv = nnx.Param(init(rngs.params(), (2, 2, 16, 8)))
     self.kv_a = nnx.LoRAParam(init(rngs.params(), (16, 4)))

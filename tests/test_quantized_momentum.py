@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
 from conftest import ROOT
+from conftest import gaussian
 from optax_muon._src.kernels import quantize
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -25,7 +26,7 @@ Q8 = om.QuantizedMomentum()
 
 
 def _normal(shape, seed):
-  return jax.random.normal(jax.random.key(seed), shape)
+  return gaussian(shape, seed)
 
 
 def _state_bytes(state):

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 import optax_muon as om
+from conftest import gaussian
 from examples.flax_lm.model import GPT
 from examples.flax_lm.model import GPTConfig
 
@@ -43,7 +44,7 @@ def test_update_rms_is_per_matrix():
 
 
 def test_orthogonality_error_and_spread_per_matrix():
-  q, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(0), (12, 5)))
+  q, _ = jnp.linalg.qr(gaussian((12, 5), 0))
   stacked = jnp.stack([q, 2.0 * q])  # tall: orthonormal columns, then 2×
   error = om.orthogonality_error(stacked)
   np.testing.assert_allclose(error, [0.0, 3.0], atol=1e-5)  # σ² − 1 = 3
@@ -53,7 +54,7 @@ def test_orthogonality_error_and_spread_per_matrix():
 
 
 def test_newton_schulz_output_is_nearly_orthogonal_by_the_diagnostics():
-  x = jax.random.normal(jax.random.key(1), (3, 64, 128))
+  x = gaussian((3, 64, 128), 1)
   out = om.newton_schulz(x, coefficients="polar_express", steps=8)
   assert np.all(np.asarray(om.orthogonality_error(out)) < 0.05)
   assert np.all(np.asarray(om.orthogonality_error(x)) > 1.0)
