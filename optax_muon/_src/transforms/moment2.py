@@ -1,6 +1,7 @@
 """The second moment of AdaptiveMuon (NorMuon, AdaMuon, NAMO) on the raw
 Newton–Schulz output; see ``optimizers.adaptive`` for the update."""
 
+import functools
 import typing
 from typing import Any
 from typing import NamedTuple
@@ -31,15 +32,26 @@ class Moment2State(NamedTuple):
   moment2: Any
 
 
-def moment2_shape(method: str, count: int, fan_in: int, fan_out: int):
-  """The second moment kept for ``count`` matrices ``fan_in × fan_out``:
-  elementwise (adamuon), one per unit of the longer axis, averaged over the
-  shorter one (normuon, as EO does), or one scalar per matrix (namo)."""
+def moment2_statistic(method: str, o: jax.Array, g: jax.Array) -> jax.Array:
+  """What the second moment averages, per ``(matrices, rows, cols)`` stack:
+  ``o²`` (adamuon), its mean over the shorter axis, the longer one kept
+  (normuon, as EO does), ``‖g‖²_F`` (namo: ``g`` the raw gradient; the
+  others do not read it)."""
   if method == "adamuon":
-    return (count, fan_in, fan_out)
+    return jnp.square(o)
   if method == "normuon":
-    return (count, 1, fan_out) if fan_out >= fan_in else (count, fan_in, 1)
-  return (count, 1, 1)
+    shorter = -2 if o.shape[-1] >= o.shape[-2] else -1
+    return jnp.mean(jnp.square(o), axis=shorter, keepdims=True)
+  return jnp.square(frobenius(g))
+
+
+def moment2_shape(method: str, count: int, fan_in: int, fan_out: int):
+  """The shape of the second moment kept for ``count`` matrices
+  ``fan_in × fan_out`` (``moment2_statistic``'s, without computing it)."""
+  stack = jax.ShapeDtypeStruct((count, fan_in, fan_out), jnp.float32)
+  return jax.eval_shape(
+    functools.partial(moment2_statistic, method), stack, stack
+  ).shape
 
 
 def scale_by_moment2(
@@ -85,16 +97,6 @@ def scale_by_moment2(
     dimension_numbers, split_qkv, split_gate_up
   )
 
-  def statistic(o, g=None):
-    """What the second moment averages: ``o²`` (adamuon), its mean over the
-    shorter axis (normuon), ``‖g‖²_F`` (namo)."""
-    if method == "adamuon":
-      return jnp.square(o)
-    if method == "normuon":
-      shorter = -2 if o.shape[-1] >= o.shape[-2] else -1
-      return jnp.mean(jnp.square(o), axis=shorter, keepdims=True)
-    return jnp.square(frobenius(g))
-
   def init_fn(params):
     # Zeros of the statistic of each matrix piece, not of its bare shape:
     # they take the sharding the update gives them (as zeros_like keeps a
@@ -104,14 +106,14 @@ def scale_by_moment2(
     for _, leaf, view in resolve_views(params):
       moments.append(
         tuple(
-          jnp.zeros_like(statistic(piece, piece), jnp.float32)
+          jnp.zeros_like(moment2_statistic(method, piece, piece), jnp.float32)
           for piece in view.to_matrices(leaf)
         )
       )
     return Moment2State(jax.tree.unflatten(jax.tree.structure(params), moments))
 
   def normalize(o, v, g=None, u=None):
-    v = beta2 * v + (1 - beta2) * statistic(o, g)
+    v = beta2 * v + (1 - beta2) * moment2_statistic(method, o, g)
     if method == "adamuon":
       return o / (jnp.sqrt(v) + eps), v
     if method == "normuon":
