@@ -44,3 +44,33 @@ def test_normal_is_jax_random_normal_bit_for_bit_for_any_key(key):
       np.asarray(normal(key, shape)),
       np.asarray(jax.random.normal(key, shape)),
     )
+
+
+def test_find_repeats_keeps_every_path_and_a_case_of_each_test():
+  from find_repeats import repeats
+
+  arcs = {  # a test's arcs are its (file, from, to) triples; numbers here
+    "t.py::f[a]": {1, 2},  # the only case reaching 2: stays
+    "t.py::f[b]": {1},  # reaches only what f[a] does: a repeat
+    "t.py::f[c]": {1},  # under the threshold: not judged
+    "t.py::g[a]": {3, 4},
+    "t.py::g[b]": {3},  # a repeat of g[a]
+    "t.py::h[a]": {1},  # h's only case: stays
+    "t.py::k": {1},  # not parametrized: stays
+    "t.py::m[a]": {5},  # m[a] and m[b] repeat each other: the one judged
+    "t.py::m[b]": {5},  # first goes, the other then reaches 5 alone
+    "t.py::p[a]": {6},  # so with two tests: p[a] goes, q[a] reaches 6 alone
+    "t.py::p[b]": {7},
+    "t.py::q[a]": {6},
+    "t.py::q[b]": {8},
+  }
+  seconds = {"t.py::f[a]": 9, "t.py::f[b]": 8, "t.py::f[c]": 1}
+  seconds |= {"t.py::g[a]": 7, "t.py::g[b]": 3, "t.py::h[a]": 6}
+  seconds |= {"t.py::k": 5, "t.py::m[a]": 4, "t.py::m[b]": 4}
+  seconds |= {"t.py::p[a]": 2.5, "t.py::q[a]": 2.2}
+  assert repeats(arcs, seconds, min_seconds=2) == [
+    "t.py::f[b]",
+    "t.py::m[a]",
+    "t.py::g[b]",
+    "t.py::p[a]",
+  ]
