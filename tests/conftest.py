@@ -152,9 +152,17 @@ def eo_steps(tx, case, inputs, turn):
 # the same schedule), a case that differs from an earlier one only by its mesh
 # (the tp modes run the same code on (8,), (2, 4) and (4, 2): per-test branch
 # coverage shows no line or branch that only a second mesh reaches), and the
-# un-jitted twin of a chex variant test. The README's command runs both tiers.
+# un-jitted twin of a chex variant test, and the cases tests/repeats.txt lists
+# (heavy cases that reach no line or branch of the library the rest of the
+# fast tier does not: tests/find_repeats.py). The README's command runs both
+# tiers.
 
 _MESH_PARAMETERS = ("mesh_shape",)
+_REPEATS = frozenset(
+  line.strip()
+  for line in (ROOT / "tests" / "repeats.txt").read_text().splitlines()
+  if line.strip() and not line.startswith("#")
+)
 
 
 def _parameter_values(item) -> tuple[set, set] | None:
@@ -174,7 +182,27 @@ def _parameter_values(item) -> tuple[set, set] | None:
   return values, parts
 
 
+def _check_repeats_exist(config, items):
+  """A listed repeat that is gone (renamed, re-parametrized) is an error,
+  not a case silently back in the fast tier; checked when whole files are
+  collected (a node id on the command line collects only its cases)."""
+  if any("::" in arg for arg in config.args):
+    return
+  collected = {item.nodeid for item in items}
+  files = {nodeid.split("::", 1)[0] for nodeid in collected}
+  missing = sorted(
+    test for test in _REPEATS - collected if test.split("::", 1)[0] in files
+  )
+  if missing:
+    raise pytest.UsageError(
+      "tests/repeats.txt lists cases that are not collected (update it with"
+      f" tests/find_repeats.py): {missing}"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k and -m deselect any case
 def pytest_collection_modifyitems(config, items):
+  _check_repeats_exist(config, items)
   seen: dict = {}
   for item in items:
     if item.get_closest_marker("integration") or item.get_closest_marker(
@@ -197,3 +225,6 @@ def pytest_collection_modifyitems(config, items):
       covered_values, covered_parts = seen[test] = (set(), set())
     covered_values |= values
     covered_parts |= parts
+  for item in items:  # after the rule above, which the list was made under
+    if item.nodeid in _REPEATS:
+      item.add_marker(pytest.mark.integration)
