@@ -1,7 +1,7 @@
 """Lists the fast-tier cases that repeat paths other fast cases run.
 
-The fast tier (``-m "not integration and not slow"``) must reach every line
-and branch of ``optax_muon`` the suite reaches, in a few minutes. A
+The fast tier (``-m "not integration and not slow"``) must keep reaching
+every line and branch of ``optax_muon`` it reaches, in a few minutes. A
 parametrized case is a *repeat* when every line and branch of the library it
 reaches, the other fast cases reach too, and its test keeps another case in
 the fast tier. This script finds them from per-test branch coverage, heaviest

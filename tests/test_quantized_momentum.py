@@ -25,10 +25,6 @@ import _hlo  # noqa: E402
 Q8 = om.QuantizedMomentum()
 
 
-def _normal(shape, seed):
-  return gaussian(shape, seed)
-
-
 def _state_bytes(state):
   return sum(x.nbytes for x in jax.tree.leaves(state))
 
@@ -52,7 +48,7 @@ def test_the_state_takes_a_quarter_of_float32s_bytes():
 @pytest.mark.parametrize("width", [512, 300, 257, 7])
 def test_a_round_trip_is_within_half_a_step(width):
   # 257 is prime: no divisor block, the last block padded
-  x = _normal((6, width), width) * jnp.linspace(0.1, 10.0, 6)[:, None]
+  x = gaussian((6, width), width) * jnp.linspace(0.1, 10.0, 6)[:, None]
   like = quantize.init(x, Q8)
   stored = quantize.quantize(x, like, Q8)
   assert stored.values.dtype == jnp.int8
@@ -71,10 +67,10 @@ def test_one_update_is_within_the_bound_of_the_float32_one(nesterov):
   eight = om.momentum(beta, nesterov=nesterov, dtype=Q8)
   state32 = exact.init(params)
   for step in range(5):  # a momentum that is not zero
-    _, state32 = exact.update({"w": _normal((64, 512), step)}, state32)
+    _, state32 = exact.update({"w": gaussian((64, 512), step)}, state32)
   old = quantize.quantize(state32.mu["w"], eight.init(params).mu["w"], Q8)
   old_bound = quantize.bound(old, Q8)
-  g = {"w": _normal((64, 512), 99)}
+  g = {"w": gaussian((64, 512), 99)}
   want, new32 = exact.update(g, state32)
   got, new8 = eight.update(g, type(state32)(mu={"w": old}))
   # the update sees the old momentum's rounding, times β (and β again for
@@ -105,7 +101,7 @@ def test_two_hundred_steps_do_not_drift():
 
   errors = []
   for t in range(200):
-    s32, s8 = step(s32, s8, {"w": _normal((128, 512), 1000 + t)})
+    s32, s8 = step(s32, s8, {"w": gaussian((128, 512), 1000 + t)})
     m, m8 = s32.mu["w"], quantize.dequantize(s8.mu["w"], Q8)
     errors.append(float(jnp.linalg.norm(m8 - m) / jnp.linalg.norm(m)))
   # each step rounds to half a step of its block (0.7% RMS of a Gaussian
@@ -130,10 +126,10 @@ def test_a_block_never_spans_two_shards():
   mesh = _mesh()
   params = {
     "col": jax.device_put(
-      _normal((32, 64), 0), NamedSharding(mesh, P(None, "model"))
+      gaussian((32, 64), 0), NamedSharding(mesh, P(None, "model"))
     ),
     "both": jax.device_put(
-      _normal((32, 64), 1), NamedSharding(mesh, P("data", "model"))
+      gaussian((32, 64), 1), NamedSharding(mesh, P("data", "model"))
     ),
   }
   tx = om.momentum(dtype=Q8)
@@ -146,7 +142,7 @@ def test_a_block_never_spans_two_shards():
 
 def test_zero1_sharded_quantized_state_needs_no_collective():
   mesh = _mesh()
-  params = {"w": _normal((32, 64), 0)}
+  params = {"w": gaussian((32, 64), 0)}
   tx = om.momentum(dtype=Q8)
   state = tx.init(params)
   state = jax.device_put(state, om.zero1_sharding(state, mesh, "data"))
@@ -161,9 +157,9 @@ def test_zero1_sharded_quantized_state_needs_no_collective():
 
 def _tree():
   params = {
-    "col": _normal((32, 64), 0),
-    "row": _normal((64, 32), 1),
-    "stack": _normal((4, 32, 64), 2),
+    "col": gaussian((32, 64), 0),
+    "row": gaussian((64, 32), 1),
+    "stack": gaussian((4, 32, 64), 2),
   }
   specs = {
     "col": P(None, "model"),
@@ -220,7 +216,7 @@ def test_blockwise_stores_the_unsharded_8_bit_momentum():
 
 
 def test_checkpoint_restore_continue_is_bit_identical(tmp_path):
-  params = {"w": _normal((32, 96), 0), "b": jnp.zeros(96)}
+  params = {"w": gaussian((32, 96), 0), "b": jnp.zeros(96)}
   tx = om.muon(0.02, mu_dtype=Q8)
   update = jax.jit(tx.update)
 
@@ -248,7 +244,7 @@ def test_checkpoint_restore_continue_is_bit_identical(tmp_path):
 
 
 def test_adaptive_muon_keeps_its_first_moment_in_8_bits():
-  params = {"w": _normal((32, 64), 0)}
+  params = {"w": gaussian((32, 64), 0)}
   labels = {"w": "muon"}
   exact = om.adaptive_muon(0.02, moment2_method="normuon", labels=labels)
   eight = om.adaptive_muon(
@@ -263,7 +259,7 @@ def test_adaptive_muon_keeps_its_first_moment_in_8_bits():
     if isinstance(x, quantize.QuantizedArray)
   ]
   assert len(stored) == 1 and stored[0].values.dtype == jnp.int8
-  g = {"w": _normal((32, 64), 1)}
+  g = {"w": gaussian((32, 64), 1)}
   # from zero the first update is exact; the second sees one rounding
   u32, s32 = exact.update(g, s32, params)
   u8, s8 = eight.update(g, s8, params)
