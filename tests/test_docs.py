@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import optax
 import pytest
 
@@ -232,6 +234,28 @@ def test_the_readme_use_comment_is_what_infer_layout_reads():
   assert labels["layers"][last]["kernel"] == "adam"
   for index in (first, last):
     assert labels["layers"][index]["bias"] == "adam"
+
+
+@pytest.mark.parametrize(
+  "option",
+  [
+    "mu_dtype=om.QuantizedMomentum(),",
+    'state_memory_kind="pinned_host",',
+  ],
+)
+def test_the_readme_use_block_takes_two_steps_with_each_state_option(option):
+  # the block's own pattern (nnx.Optimizer) with the 8-bit or offloaded
+  # state: the second update is where a pytree leaf of the state broke
+  block = _blocks(ROOT / "README.md")[0]
+  assert "    weight_decay=0.1,\n" in block
+  block = block.replace(
+    "    weight_decay=0.1,\n", f"    weight_decay=0.1,\n    {option}\n"
+  )
+  block += "\nfor _ in range(2):\n  optimizer.update(model, grads)\n"
+  scope: dict = {}
+  exec(compile(block, "README.md[0]", "exec"), scope)
+  leaves = jax.tree.leaves(scope["model"])
+  assert leaves and all(bool(jnp.all(jnp.isfinite(x))) for x in leaves)
 
 
 def test_the_8_bit_table_is_the_recorded_one():

@@ -25,6 +25,27 @@ import _hlo  # noqa: E402
 Q8 = om.QuantizedMomentum()
 
 
+def _stored(mu, key):
+  """Leaf ``key`` of an 8-bit momentum (a ``QuantizedState``)."""
+  return quantize.QuantizedArray(mu.values[key], mu.scales[key])
+
+
+def _stored_leaves(state):
+  """Every 8-bit leaf of an optimizer state, as ``QuantizedArray``s."""
+  found = [
+    x
+    for x in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, quantize.QuantizedState)
+    )
+    if isinstance(x, quantize.QuantizedState)
+  ]
+  return [
+    q
+    for mu in found
+    for q in quantize.leaves(mu, jax.tree.structure(mu.values))
+  ]
+
+
 def _state_bytes(state):
   return sum(x.nbytes for x in jax.tree.leaves(state))
 
@@ -68,19 +89,26 @@ def test_one_update_is_within_the_bound_of_the_float32_one(nesterov):
   state32 = exact.init(params)
   for step in range(5):  # a momentum that is not zero
     _, state32 = exact.update({"w": gaussian((64, 512), step)}, state32)
-  old = quantize.quantize(state32.mu["w"], eight.init(params).mu["w"], Q8)
+  old = quantize.quantize(
+    state32.mu["w"], _stored(eight.init(params).mu, "w"), Q8
+  )
   old_bound = quantize.bound(old, Q8)
   g = {"w": gaussian((64, 512), 99)}
   want, new32 = exact.update(g, state32)
-  got, new8 = eight.update(g, type(state32)(mu={"w": old}))
+  got, new8 = eight.update(
+    g,
+    type(state32)(
+      mu=quantize.QuantizedState({"w": old.values}, {"w": old.scales})
+    ),
+  )
   # the update sees the old momentum's rounding, times β (and β again for
   # the Nesterov look-ahead); the stored one adds its own half step
   reach = beta**2 if nesterov else beta
   assert bool(
     jnp.all(jnp.abs(got["w"] - want["w"]) <= reach * old_bound * (1 + 1e-5))
   )
-  stored = quantize.dequantize(new8.mu["w"], Q8)
-  new_bound = quantize.bound(new8.mu["w"], Q8)
+  stored = quantize.dequantize(_stored(new8.mu, "w"), Q8)
+  new_bound = quantize.bound(_stored(new8.mu, "w"), Q8)
   assert bool(
     jnp.all(
       jnp.abs(stored - new32.mu["w"])
@@ -102,7 +130,7 @@ def test_two_hundred_steps_do_not_drift():
   errors = []
   for t in range(200):
     s32, s8 = step(s32, s8, {"w": gaussian((128, 512), 1000 + t)})
-    m, m8 = s32.mu["w"], quantize.dequantize(s8.mu["w"], Q8)
+    m, m8 = s32.mu["w"], quantize.dequantize(_stored(s8.mu, "w"), Q8)
     errors.append(float(jnp.linalg.norm(m8 - m) / jnp.linalg.norm(m)))
   # each step rounds to half a step of its block (0.7% RMS of a Gaussian
   # block); the EMA carries the past roundings, √(1/(1−β²)) = 3.2× in RMS:
@@ -134,8 +162,8 @@ def test_a_block_never_spans_two_shards():
   }
   tx = om.momentum(dtype=Q8)
   state = tx.init(params)
-  for leaf in state.mu.values():
-    assert leaf.scales.shape[-1] % 4 == 0  # whole blocks in each shard
+  for scales in state.mu.scales.values():
+    assert scales.shape[-1] % 4 == 0  # whole blocks in each shard
   hlo = jax.jit(tx.update).lower(params, state).compile().as_text()
   assert _collectives(hlo) == 0
 
@@ -147,7 +175,7 @@ def test_zero1_sharded_quantized_state_needs_no_collective():
   state = tx.init(params)
   state = jax.device_put(state, om.zero1_sharding(state, mesh, "data"))
   assert (
-    state.mu["w"].values.sharding.spec == state.mu["w"].scales.sharding.spec
+    state.mu.values["w"].sharding.spec == state.mu.scales["w"].sharding.spec
   )
   params = jax.device_put(params, NamedSharding(mesh, P()))
   hlo = jax.jit(tx.update).lower(params, state).compile().as_text()
@@ -251,13 +279,7 @@ def test_adaptive_muon_keeps_its_first_moment_in_8_bits():
     0.02, moment2_method="normuon", labels=labels, mu_dtype=Q8
   )
   s32, s8 = exact.init(params), eight.init(params)
-  stored = [
-    x
-    for x in jax.tree.leaves(
-      s8, is_leaf=lambda x: isinstance(x, quantize.QuantizedArray)
-    )
-    if isinstance(x, quantize.QuantizedArray)
-  ]
+  stored = _stored_leaves(s8)
   assert len(stored) == 1 and stored[0].values.dtype == jnp.int8
   g = {"w": gaussian((32, 64), 1)}
   # from zero the first update is exact; the second sees one rounding
@@ -300,13 +322,7 @@ def test_muon_config_builds_8_bit_momentum():
     optimizer="muon", muon_momentum_bits=8, muon_momentum_block_size=64
   ).build(1e-3)
   state = tx.init({"layer": {"kernel": jnp.zeros((64, 256))}})
-  stored = [
-    x
-    for x in jax.tree.leaves(
-      state, is_leaf=lambda x: isinstance(x, quantize.QuantizedArray)
-    )
-    if isinstance(x, quantize.QuantizedArray)
-  ]
+  stored = _stored_leaves(state)
   assert len(stored) == 1
   chex.assert_shape(stored[0].scales, (64, 4))
 
@@ -318,8 +334,8 @@ def test_zero1_splits_values_and_scales_on_an_axis_both_divide():
   odd = om.momentum(dtype=Q8).init({"w": jnp.zeros((3, 64))})
   shardings = om.zero1_sharding(odd, mesh, "data")
   assert (
-    shardings.mu["w"].values.spec
-    == shardings.mu["w"].scales.spec
+    shardings.mu.values["w"].spec
+    == shardings.mu.scales["w"].spec
     == P(None, None)
   )
   # columns 64 in blocks of 16: four scales a row, split like the values
@@ -327,8 +343,8 @@ def test_zero1_splits_values_and_scales_on_an_axis_both_divide():
     {"w": jnp.zeros((3, 64))}
   )
   shardings = om.zero1_sharding(even, mesh, "data")
-  assert shardings.mu["w"].values.spec == P(None, "data")
-  assert shardings.mu["w"].scales.spec == P(None, "data")
+  assert shardings.mu.values["w"].spec == P(None, "data")
+  assert shardings.mu.scales["w"].spec == P(None, "data")
 
 
 def test_the_8_bit_update_runs_in_parts_within_the_memory_budget():
@@ -375,4 +391,59 @@ def test_scale_by_muon_computes_the_8_bit_momentum_in_its_waves():
   ).init(params)
   assert jax.tree.structure(fused.init(params)) == jax.tree.structure(
     chain_state
+  )
+
+
+def _nnx_model():
+  from flax import nnx
+
+  return nnx.Sequential(
+    nnx.Linear(32, 128, rngs=nnx.Rngs(0)),
+    jax.nn.relu,
+    nnx.Linear(128, 32, rngs=nnx.Rngs(1)),
+  )
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda layout: om.muon(3e-3, layout=layout, mu_dtype=Q8),
+    lambda layout: om.muon(
+      3e-3, layout=layout, state_memory_kind="pinned_host"
+    ),
+    lambda layout: om.muon(
+      3e-3, layout=layout, mu_dtype=Q8, state_memory_kind="pinned_host"
+    ),
+    lambda layout: om.MuonConfig(
+      optimizer="muon", lr=3e-3, muon_momentum_bits=8
+    ).build(3e-3, layout=layout),
+  ],
+  ids=["8-bit", "offload", "8-bit-offload", "config-8-bit"],
+)
+def test_nnx_optimizer_steps_equal_the_functional_path(make):
+  # flax's nnx.Optimizer stores each state leaf in a Variable and writes the
+  # new state back with nnx.update: a leaf that is itself a pytree (the
+  # int8 values and the scales together) would come back as a dict, and the
+  # second update would fail. Three steps through it equal tx.init/update.
+  from flax import nnx
+
+  model = _nnx_model()
+  x = gaussian((64, 32), 7)
+  tx = make(om.infer_layout(model, x))
+  loss = lambda m: jnp.mean((m(x) - x) ** 2)
+  twin = nnx.clone(model)  # stepped by tx.init / tx.update on plain arrays
+  params = nnx.as_pure(nnx.state(twin, nnx.Param))
+  state = tx.init(params)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  for _ in range(3):
+    optimizer.update(model, nnx.grad(loss)(model))
+    grads = nnx.as_pure(nnx.grad(loss)(twin))
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    nnx.update(twin, params)
+  chex.assert_trees_all_equal(
+    jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(params)
+  )
+  chex.assert_trees_all_equal(
+    jax.tree.leaves(nnx.as_pure(optimizer.opt_state)), jax.tree.leaves(state)
   )

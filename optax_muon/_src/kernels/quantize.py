@@ -7,10 +7,18 @@ last axis, so a shard of any other axis holds whole blocks; where the last
 axis itself is sharded, the block is shrunk to a divisor of the shard's width
 (read off the parameter's sharding at ``init``), so quantizing never needs a
 value from another device.
+
+In optimizer state a tree of such leaves is kept as a ``QuantizedState``: one
+tree of values and one of scales, each shaped like the params, as optax keeps
+Adam's two moments. Every leaf of the state is then an array, which is what
+``flax.nnx.Optimizer`` can store: it wraps each leaf of a param-shaped tree in
+a ``Variable``, and a ``Variable`` holding a pair of arrays comes back from
+``nnx.update`` as a dict.
 """
 
 import dataclasses
 import math
+from typing import Any
 from typing import NamedTuple
 
 import jax
@@ -61,6 +69,14 @@ class QuantizedArray(NamedTuple):
 
   values: jax.Array  # int8, the leaf's shape
   scales: jax.Array  # float32, leaf.shape[:-1] + (blocks,)
+
+
+class QuantizedState(NamedTuple):
+  """A tree of 8-bit leaves as two trees shaped like the params: the int8
+  ``values`` and the float32 ``scales`` of each leaf."""
+
+  values: Any
+  scales: Any
 
 
 def _last_axis_shards(x) -> int:
@@ -136,6 +152,30 @@ def init(param, config: QuantizedMomentum) -> QuantizedArray:
   return QuantizedArray(
     values=jnp.zeros_like(param, dtype=jnp.int8),
     scales=_as_blocks(zeros, block)[..., 0],
+  )
+
+
+def init_tree(params, config: QuantizedMomentum) -> QuantizedState:
+  """Zeros for every leaf of ``params``, as a ``QuantizedState``."""
+  return QuantizedState(
+    values=jax.tree.map(lambda p: init(p, config).values, params),
+    scales=jax.tree.map(lambda p: init(p, config).scales, params),
+  )
+
+
+def leaves(state: QuantizedState, treedef) -> list[QuantizedArray]:
+  """The ``QuantizedArray`` of each leaf of ``treedef`` (the params')."""
+  values = treedef.flatten_up_to(state.values)
+  scales = treedef.flatten_up_to(state.scales)
+  return [QuantizedArray(v, s) for v, s in zip(values, scales)]
+
+
+def from_leaves(treedef, stored: list[QuantizedArray]) -> QuantizedState:
+  """The ``QuantizedState`` of ``treedef``'s leaves, one ``QuantizedArray``
+  each (the inverse of ``leaves``)."""
+  return QuantizedState(
+    values=treedef.unflatten([q.values for q in stored]),
+    scales=treedef.unflatten([q.scales for q in stored]),
   )
 
 

@@ -52,16 +52,25 @@ def zero1_sharding(
         break
     return jax.sharding.NamedSharding(mesh, PartitionSpec(*spec))
 
-  is_quantized = lambda x: isinstance(x, quantize.QuantizedArray)
+  def pair(path, values, scales):
+    """The one sharding of an 8-bit leaf's values and its scales."""
+    if not jnp.shape(values):
+      return jax.sharding.NamedSharding(mesh, PartitionSpec())
+    return split(path, [jnp.shape(values), jnp.shape(scales)])
+
+  is_quantized = lambda x: isinstance(x, quantize.QuantizedState)
   leaves, treedef = _paths.leaves_with_paths(tree, is_leaf=is_quantized)
   out: list[Any] = []
   for path, leaf in leaves:
     if is_quantized(leaf):
-      shapes = [jnp.shape(leaf.values) or (1,), jnp.shape(leaf.scales)]
-      both = split(path + ("values",), shapes)
-      if not jnp.shape(leaf.values):
-        both = jax.sharding.NamedSharding(mesh, PartitionSpec())
-      out.append(quantize.QuantizedArray(both, both))
+      inner, inner_def = _paths.leaves_with_paths(leaf.values)
+      both = [
+        pair(path + ("values", *inner_path), values, scales)
+        for (inner_path, values), scales in zip(
+          inner, inner_def.flatten_up_to(leaf.scales)
+        )
+      ]
+      out.append(quantize.QuantizedState(*[inner_def.unflatten(both)] * 2))
     else:
       out.append(split(path, [jnp.shape(leaf)]))
   return jax.tree.unflatten(treedef, out)

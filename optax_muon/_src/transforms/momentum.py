@@ -21,7 +21,8 @@ MOMENTUM_STYLES = typing.get_args(types.MomentumStyle)
 
 
 class MomentumState(NamedTuple):
-  """The momentum buffer, one per leaf."""
+  """The momentum buffer, one per leaf (8-bit: a ``QuantizedState``, a tree
+  of values and a tree of scales)."""
 
   mu: optax.Updates
 
@@ -170,30 +171,38 @@ def momentum(
   dtype = canonical_dtype("dtype", dtype, quantized=True)
   budget = waves.resolve(memory_budget)
   gradient_weight = (lambda: 1.0 - beta) if style == "ema" else (lambda: 1.0)
-  new_buffer: Callable[[Any], Any]
+  new_mu: Callable[[Any], Any]
   quantized = isinstance(dtype, QuantizedMomentum)
   if isinstance(dtype, QuantizedMomentum):
     config = dtype
-    is_stored = lambda x: isinstance(x, quantize.QuantizedArray)
-    new_buffer = lambda p: quantize.init(p, config)
-    load = lambda mu: jax.tree.map(
-      lambda q: quantize.dequantize(q, config), mu, is_leaf=is_stored
+    new_mu = lambda params: quantize.init_tree(params, config)
+    load = lambda mu, treedef: treedef.unflatten(
+      [quantize.dequantize(q, config) for q in quantize.leaves(mu, treedef)]
     )
-    store = lambda mu, old: jax.tree.map(
-      lambda m, q: quantize.quantize(m, q, config), mu, old, is_leaf=is_stored
+    store = lambda mu, old, treedef: quantize.from_leaves(
+      treedef,
+      [
+        quantize.quantize(m, q, config)
+        for m, q in zip(
+          treedef.flatten_up_to(mu), quantize.leaves(old, treedef)
+        )
+      ],
     )
   else:
     # zeros_like keeps each param's sharding
-    new_buffer = lambda p: jnp.zeros_like(
-      p, dtype=_buffer_dtype(jnp.result_type(p), dtype)
+    new_mu = lambda params: jax.tree.map(
+      lambda p: jnp.zeros_like(
+        p, dtype=_buffer_dtype(jnp.result_type(p), dtype)
+      ),
+      params,
     )
-    load = lambda mu: mu
-    store = lambda mu, old: jax.tree.map(
+    load = lambda mu, treedef: mu
+    store = lambda mu, old, treedef: jax.tree.map(
       lambda m, o: m.astype(o.dtype), mu, old
     )
 
   def init_fn(params):
-    mu = jax.tree.map(new_buffer, params)
+    mu = new_mu(params)
     if bias_correction:
       return BiasCorrectedMomentumState(count=jnp.zeros([], jnp.int32), mu=mu)
     return MomentumState(mu=mu)
@@ -203,7 +212,7 @@ def momentum(
     requantized in waves within the budget (see ``_quantized_task``)."""
     del params
     grads, treedef = jax.tree.flatten(updates)
-    stored = treedef.flatten_up_to(state.mu)
+    stored = quantize.leaves(state.mu, treedef)
     outputs: list[Any] = [None] * len(grads)
     buffers: list[Any] = [None] * len(grads)
     step = lambda g, m: ema_step(g, m, gradient_weight(), beta, nesterov)
@@ -218,7 +227,7 @@ def momentum(
     ]
     waves.run(tasks, budget, {"elementwise": lambda matrices: matrices})
     return treedef.unflatten(outputs), MomentumState(
-      mu=treedef.unflatten(buffers)
+      mu=quantize.from_leaves(treedef, buffers)
     )
 
   def update_fn(updates, state, params=None):
@@ -226,13 +235,14 @@ def momentum(
       return quantized_update_fn(updates, state, params)
     del params
     weight = gradient_weight()
-    previous = load(state.mu)
+    treedef = jax.tree.structure(updates)
+    previous = load(state.mu, treedef)
     # bf16 grads into an fp32 buffer are summed in fp32
     updates = jax.tree.map(
       lambda g, m: g.astype(jnp.result_type(g, m)), updates, previous
     )
     mu = jax.tree.map(lambda g, m: weight * g + beta * m, updates, previous)
-    stored = store(mu, state.mu)
+    stored = store(mu, state.mu, treedef)
     if not bias_correction:
       if nesterov:
         out = jax.tree.map(lambda g, m: weight * g + beta * m, updates, mu)

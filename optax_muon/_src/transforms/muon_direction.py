@@ -78,13 +78,19 @@ def momentum_orthogonalize(
     del params
     momentum_state, empty = state
     grads, treedef = jax.tree.flatten(updates)
-    buffers = treedef.flatten_up_to(momentum_state.mu)
-    arrays = [[b.values, b.scales] if quantized else [b] for b in buffers]
+    if quantized:
+      stored = quantize.leaves(momentum_state.mu, treedef)
+      arrays = [[q.values, q.scales] for q in stored]
+    else:
+      arrays = [[b] for b in treedef.flatten_up_to(momentum_state.mu)]
     out, new_arrays = run(updates, arrays, step)
-    mu = [
-      quantize.QuantizedArray(*a) if quantized else a[0] for a in new_arrays
-    ]
-    new_state = momentum_state._replace(mu=treedef.unflatten(mu))
+    if quantized:
+      mu = quantize.from_leaves(
+        treedef, [quantize.QuantizedArray(*a) for a in new_arrays]
+      )
+    else:
+      mu = treedef.unflatten([a[0] for a in new_arrays])
+    new_state = momentum_state._replace(mu=mu)
     return out, (new_state, empty)
 
   return optax.GradientTransformation(init_fn, update_fn)
