@@ -1,6 +1,8 @@
 """Bad input raises a clear error when a transform is built or first traced."""
 
+import chex
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import optax_muon as om
@@ -208,6 +210,31 @@ CASES = {
     ValueError,
     ["leaf w", "all zeros", "radius="],
   ),
+  "a block size without 8-bit momentum": (
+    lambda: om.MuonConfig(muon_momentum_block_size=64),
+    ValueError,
+    ["muon_momentum_block_size=64", "muon_momentum_bits"],
+  ),
+  "a string for a bool field, built directly": (
+    lambda: om.MuonConfig(optimizer_offload="yes"),
+    ValueError,
+    ["optimizer_offload", "bool", "from_overrides"],
+  ),
+  "an int for a bool field": (
+    lambda: om.MuonConfig(optimizer_offload=0),
+    ValueError,
+    ["optimizer_offload", "bool"],
+  ),
+  "a layout read from another model": (
+    lambda: om.muon(
+      0.1,
+      layout=om.infer_layout(
+        lambda p, x: x @ p["a"], {"a": MATRIX["w"]}, jnp.ones((2, 8))
+      ),
+    ).init({"b": MATRIX["w"]}),
+    ValueError,
+    ["layout=", "leaf b", "another model", "infer_layout"],
+  ),
 }
 
 
@@ -304,3 +331,39 @@ def test_errors_name_the_argument_the_user_passed(build, argument):
 def test_extra_scale_factor_must_be_positive(build):
   with pytest.raises(ValueError, match="extra_scale_factor.*> 0"):
     build()
+
+
+def test_a_numpy_int_memory_budget_is_a_memory_budget():
+  # as ns_steps takes numpy ints: the budget must be the same as the int's
+  params = MATRIX
+  exact = _update(om.muon(0.1, memory_budget=2**31), params)
+  chex.assert_trees_all_equal(
+    _update(om.muon(0.1, memory_budget=np.int64(2**31)), params), exact
+  )
+  chex.assert_trees_all_equal(
+    _update(
+      om.MuonConfig(muon_memory_budget=np.int64(2**31)).build(0.1), params
+    ),
+    _update(om.MuonConfig(muon_memory_budget=2**31).build(0.1), params),
+  )
+
+
+def test_overrides_still_parse_strings_the_constructor_refuses():
+  config = om.MuonConfig.from_overrides(
+    ["optimizer_offload=yes", "lr=1e-3", "muon_tp_mode=none"]
+  )
+  assert config.optimizer_offload is True and config.lr == 1e-3
+  assert config.muon_tp_mode is None
+
+
+def test_a_block_size_that_does_not_divide_uses_a_stated_block():
+  # QuantizedMomentum's docstring: block_size=100 on a 256-wide axis gives
+  # blocks of 64 (a divisor at least a quarter of it); 257 wide: padded 256
+  def blocks(width, block_size):
+    tx = om.momentum(dtype=om.QuantizedMomentum(block_size=block_size))
+    return tx.init({"w": jnp.zeros((4, width))}).mu.scales["w"].shape[-1]
+
+  assert blocks(256, 100) == 256 // 64
+  assert blocks(257, 256) == 2
+  assert blocks(300, 256) == 300 // 150
+  assert blocks(512, 256) == 2

@@ -141,7 +141,10 @@ class MuonConfig:
         self,
         field.name,
         overrides_lib.coerce(
-          field.name, getattr(self, field.name), hints[field.name]
+          field.name,
+          getattr(self, field.name),
+          hints[field.name],
+          parse_strings=False,
         ),
       )
     choices = {
@@ -189,6 +192,13 @@ class MuonConfig:
     _checks.check_int(
       "muon_momentum_block_size", self.muon_momentum_block_size, minimum=1
     )
+    if self.muon_momentum_bits is None and self.muon_momentum_block_size != 256:
+      raise ValueError(
+        f"muon_momentum_block_size={self.muon_momentum_block_size} applies "
+        "to an 8-bit momentum, but muon_momentum_bits is None (the "
+        "momentum in the param's dtype); set muon_momentum_bits=8 too, or "
+        "leave muon_momentum_block_size at 256"
+      )
     _checks.check_positive("qk_clip_threshold", self.qk_clip_threshold)
     if not 0.0 <= self.qk_clip_alpha <= 1.0:
       raise ValueError(

@@ -60,18 +60,34 @@ def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
-def coerce(name: str, value: Any, hint) -> Any:
-  """``value`` as the field's type; strings are parsed, other types checked."""
+def coerce(name: str, value: Any, hint, parse_strings: bool = True) -> Any:
+  """``value`` as the field's type; strings are parsed (with
+  ``parse_strings``; else a string is accepted only for a string field),
+  other types checked."""
   origin = typing.get_origin(hint)
+  textual = hint is str or origin is typing.Literal
+  if not parse_strings and isinstance(value, str) and not textual:
+    inner = [a for a in typing.get_args(hint) if a is not type(None)]
+    if not (
+      inner
+      and all(a is str or typing.get_origin(a) is typing.Literal for a in inner)
+    ):
+      raise ValueError(
+        f"{name}={value!r} is a string; give a value of type "
+        f"{getattr(hint, '__name__', hint)} (strings such as 'true' or "
+        "'1e-3' are parsed by MuonConfig.from_overrides and from_dict)"
+      )
   if origin in (typing.Union, types.UnionType) and type(
     None
   ) in typing.get_args(hint):
     if value is None or (
-      isinstance(value, str) and value.lower() in ("none", "null", "")
+      parse_strings
+      and isinstance(value, str)
+      and value.lower() in ("none", "null", "")
     ):
       return None
     (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
-    return coerce(name, value, inner)
+    return coerce(name, value, inner, parse_strings)
   if hint is bool:
     if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
       return value.lower() in _TRUE
@@ -111,7 +127,8 @@ def coerce(name: str, value: Any, hint) -> Any:
         f"{name}={value!r} must be {len(args)} numbers, e.g. [0.9,0.999]"
       )
     return tuple(
-      coerce(f"{name}[{i}]", v, t) for i, (v, t) in enumerate(zip(value, args))
+      coerce(f"{name}[{i}]", v, t, parse_strings)
+      for i, (v, t) in enumerate(zip(value, args))
     )
   if typing.get_origin(hint) is typing.Literal:  # MuonConfig checks the choice
     hint = str

@@ -39,9 +39,14 @@ class QuantizedMomentum:
 
   Attributes:
     bits: bits per entry; 8 (int8) is the one accepted.
-    block_size: entries per block along the last axis (fewer where the
-      axis, or a shard of it, is narrower; a divisor of a sharded axis's
-      shard width).
+    block_size: the widest block, in entries along the last axis. The
+      block used is ``block_size`` where it divides the axis; else the
+      largest divisor of the axis's width below it, if that is at least a
+      quarter of it (``block_size=100`` on a 256-wide axis: blocks of 64),
+      else ``block_size`` with the last block zero-padded (257 wide: 256
+      and 1 padded). A sharded last axis uses the largest divisor of its
+      shard's width, so a block never spans two devices. The state's
+      ``scales`` (one per block) show the blocks used.
   """
 
   bits: int = 8

@@ -22,12 +22,14 @@ and the tasks run in **waves** of at most ``memory_budget`` bytes:
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optax_muon._src.views import layout
 
@@ -42,8 +44,8 @@ def check_memory_budget(memory_budget, name: str = "memory_budget") -> None:
   if memory_budget is None:
     return
   if (
-    isinstance(memory_budget, bool)
-    or not isinstance(memory_budget, int)
+    isinstance(memory_budget, (bool, np.bool_))
+    or not isinstance(memory_budget, numbers.Integral)
     or memory_budget < 1
   ):
     raise ValueError(
@@ -54,7 +56,7 @@ def check_memory_budget(memory_budget, name: str = "memory_budget") -> None:
 
 def resolve(memory_budget) -> int:
   check_memory_budget(memory_budget)
-  return DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+  return DEFAULT_MEMORY_BUDGET if memory_budget is None else int(memory_budget)
 
 
 def newton_schulz_bytes(

@@ -149,6 +149,13 @@ def label_fn(labels) -> Callable:
     tree = []
     for path, leaf in leaves:
       label, where = label_of(path), _paths.path_string(path) or "<root>"
+      if label is None and isinstance(labels, _paths.FromLayout):
+        raise ValueError(
+          f"layout= describes no leaf {where}: it was read from another "
+          "model; infer it from the model these params are from "
+          "(om.infer_layout(model, batch)), or pass labels= and "
+          "dimension_numbers= instead"
+        )
       if label is None:
         raise ValueError(
           f"labels gives no label for leaf {where}; accepted "
