@@ -1,7 +1,8 @@
 """Drop-ins: ``optax.contrib.muon`` and ``torch.optim.Muon``, the same numbers.
 
 ``torch_muon`` takes ``torch.optim.Muon``'s arguments and defaults and gives
-its numbers (see its docstring); the rest of this module is the drop-in for
+its numbers (see its docstring), ``describe_torch_muon`` its routing table;
+the rest of this module is the drop-in for
 ``optax.contrib.muon``: one changed import, the same numbers.
 
 Mirrors optax 0.2.8 (``optax/contrib/_muon.py``): the same functions with the
@@ -28,6 +29,7 @@ Deliberate differences, each a case where optax loses information:
   first step uses ``X Xᵀ``, which is not the polar iteration for them).
 """
 
+from optax_muon._src.inference.describe import describe_torch_muon
 from optax_muon._src.optimizers.optax_compat import MuonDimensionNumbers
 from optax_muon._src.optimizers.optax_compat import MuonState
 from optax_muon._src.optimizers.optax_compat import muon
@@ -41,6 +43,7 @@ from optax_muon._src.optimizers.torch_muon import torch_muon
 __all__ = (
   "MuonDimensionNumbers",
   "MuonState",
+  "describe_torch_muon",
   "muon",
   "orthogonalize_via_newton_schulz",
   "scale_by_muon",

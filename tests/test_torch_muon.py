@@ -2,6 +2,7 @@
 tests/data/record_torch_muon.py), and precision="bf16"."""
 
 import json
+import re
 
 import chex
 import jax
@@ -106,17 +107,76 @@ def test_torch_order_ignored_is_caught():
 
 
 def test_torch_muon_routes_the_rest_to_adamw():
-  # torch's Muon takes 2-D params only; here a bias rides along to AdamW
-  params = {"w": jnp.asarray(TORCH_WEIGHTS[2]), "b": jnp.ones(96)}
-  grads = {"w": jnp.asarray(TORCH_GRADS[0][2]), "b": jnp.full(96, 0.5)}
+  # torch's Muon takes 2-D params only; here the rest rides along to AdamW
+  # with torch.optim.AdamW's default decay (0.01), on the AdamW group's
+  # matrices (the embedding) as om.muon masks it; the bias does not decay
+  params = {
+    "w": jnp.asarray(TORCH_WEIGHTS[2]),
+    "b": jnp.ones(96),
+    "embed": jnp.ones((10, 96)),
+  }
+  grads = {
+    "w": jnp.asarray(TORCH_GRADS[0][2]),
+    "b": jnp.full(96, 0.5),
+    "embed": jnp.full((10, 96), 0.5),
+  }
   tx = compat.torch_muon(lr=0.02)
   updates, _ = tx.update(grads, tx.init(params), params)
-  want, _ = optax.adamw(0.02, weight_decay=0.0).update(
-    {"b": grads["b"]},
-    optax.adamw(0.02).init({"b": params["b"]}),
-    {"b": params["b"]},
+  for name, decay in (("b", 0.0), ("embed", 0.01)):
+    adamw = optax.adamw(0.02, weight_decay=decay)
+    one = {name: params[name]}
+    want, _ = adamw.update({name: grads[name]}, adamw.init(one), one)
+    chex.assert_trees_all_close(updates[name], want[name], rtol=1e-6)
+
+
+def test_a_head_not_named_head_goes_to_adamw_with_a_layout():
+  # a last layer named "out": by name it is a matrix (Muon); the layout
+  # reads it as the head, and its update is then AdamW's
+  params = {"hidden": gaussian((32, 64), 0), "out": gaussian((64, 10), 1)}
+  forward = lambda p, x: jax.nn.relu(x @ p["hidden"]) @ p["out"]
+  layout = om.infer_layout(forward, params, jnp.ones((4, 32)))
+  grads = {"hidden": gaussian((32, 64), 2), "out": gaussian((64, 10), 3)}
+  tx = compat.torch_muon(lr=0.02, layout=layout)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  adamw = optax.adamw(0.02, weight_decay=0.01)
+  out = {"out": params["out"]}
+  want, _ = adamw.update({"out": grads["out"]}, adamw.init(out), out)
+  chex.assert_trees_all_close(updates["out"], want["out"], rtol=1e-6)
+  assert om.default_labels(params)["out"] == "muon"
+
+
+def _scales(table):
+  """{path: scale} from a routing table's Muon rows."""
+  rows = [re.split(r"\s{2,}", line) for line in str(table).splitlines()[1:]]
+  return {row[0]: float(row[5]) for row in rows if row[3] == "muon"}
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("weight_order", ["in_out", "out_in"])
+def test_describe_torch_muon_shows_torchs_scale(adjust_lr_fn, weight_order):
+  # torch's A × B is (out, in): √max(1, A/B), or 0.2·√max(A, B)
+  shapes = {"wide": (64, 128), "tall": (128, 64)}  # (out, in)
+  order = (lambda s: s) if weight_order == "out_in" else (lambda s: s[::-1])
+  params = {k: jnp.zeros(order(s)) for k, s in shapes.items()}
+  got = _scales(
+    compat.describe_torch_muon(params, adjust_lr_fn, weight_order=weight_order)
   )
-  chex.assert_trees_all_close(updates["b"], want["b"], rtol=1e-6)
+  for name, (out, in_) in shapes.items():
+    if adjust_lr_fn == "match_rms_adamw":
+      want = 0.2 * max(out, in_) ** 0.5
+    else:
+      want = max(1.0, out / in_) ** 0.5
+    assert abs(got[name] - want) <= 5e-3 * want, (name, got, want)
+  # om.describe's own scale is om.muon's spectral one: √max(fan_out, fan_in)
+  assert _scales(om.describe(params, dimension_numbers=None))["wide"] == (
+    pytest.approx(128**0.5, rel=5e-3)
+  )
+
+
+def test_describe_returns_a_table_that_shows_as_one():
+  table = om.describe({"w": jnp.zeros((8, 16)), "b": jnp.zeros(16)})
+  assert isinstance(table, str) and table.count("\n") == 2
+  assert repr(table) == str(table)  # a REPL or notebook cell shows the table
 
 
 @pytest.mark.parametrize(

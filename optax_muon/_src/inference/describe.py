@@ -2,6 +2,7 @@
 
 import functools
 from typing import Any
+from typing import Literal
 
 import jax
 import optax
@@ -9,7 +10,9 @@ import optax
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
 from optax_muon._src.base import types
+from optax_muon._src.inference.table import RoutingTable
 from optax_muon._src.inference.table import render
+from optax_muon._src.optimizers import torch_muon as torch_muon_lib
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.moment2 import MOMENT2_METHODS
 from optax_muon._src.transforms.moment2 import moment2_shape
@@ -31,9 +34,12 @@ def describe(
   extra_scale_factor: types.Numeric | None = None,
   adam_b1: types.Numeric = 0.9,
   moment2_method: types.Moment2Method | None = None,
-) -> str:
+) -> RoutingTable:
   """The routing table for the given ``om.muon`` settings (defaults
-  included): what each leaf gets before training starts.
+  included): what each leaf gets before training starts. It returns the
+  table, as flax's ``tabulate`` does: ``print(om.describe(params))``, or
+  leave it as a cell's value in a notebook (it shows as the table).
+  ``compat.describe_torch_muon`` is the table of ``compat.torch_muon``.
 
   ``labels``, ``dimension_numbers``, ``split_qkv``, ``split_gate_up``,
   ``layout``, ``scale_mode``, ``match_adamw_update_rms``,
@@ -44,7 +50,7 @@ def describe(
     params: the parameter tree (arrays, shape structs or ``nnx.State``).
 
   Returns:
-    The table, as a string with columns path, shape, role, optimizer,
+    The table, a ``str`` (whose ``repr`` is the table) with columns path, shape, role, optimizer,
     matrices as ``count × fan_in × fan_out`` (one term per ``split_qkv``
     piece), the scale each matrix's update gets (shape scale × extra
     factor), and with ``moment2_method`` the shape of the second moment
@@ -102,4 +108,53 @@ def describe(
     moment2_of=None
     if moment2_method is None
     else functools.partial(moment2_shape, moment2_method),
+  )
+
+
+def describe_torch_muon(
+  params: optax.Params,
+  adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None,
+  *,
+  weight_order: Literal["in_out", "out_in"] = "in_out",
+  labels: types.PerLeaf = None,
+  layout: Any = None,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  split_gate_up: types.PerLeaf = None,
+) -> RoutingTable:
+  """The routing table of ``compat.torch_muon`` with these settings: its
+  scale (``adjust_lr_fn``: ``√max(1, A/B)``, or ``0.2 √max(A, B)``) and its
+  weight order, the routing as ``om.describe``'s.
+
+  Args:
+    params: the parameter tree (arrays, shape structs or ``nnx.State``).
+    adjust_lr_fn: as in ``compat.torch_muon``.
+    weight_order: as in ``compat.torch_muon``.
+    labels: as in ``om.muon``.
+    layout: as in ``om.muon``.
+    dimension_numbers: as in ``om.muon``.
+    split_qkv: as in ``om.muon``.
+    split_gate_up: as in ``om.muon``.
+
+  Returns:
+    The table, as ``om.describe`` returns it.
+  """
+  # validated as torch_muon validates them; the layout itself goes on to
+  # describe, for its roles and reasons
+  _, given_dimension_numbers = from_layout(layout, labels, dimension_numbers)
+  order_dimension_numbers = torch_muon_lib.torch_dimension_numbers(
+    weight_order, given_dimension_numbers
+  )
+  scale_mode, extra = torch_muon_lib.torch_scale(adjust_lr_fn)
+  return describe(
+    params,
+    labels=labels,
+    dimension_numbers=dimension_numbers
+    if weight_order == "in_out"
+    else order_dimension_numbers,
+    layout=layout,
+    split_qkv=split_qkv,
+    split_gate_up=split_gate_up,
+    scale_mode=scale_mode,
+    extra_scale_factor=extra,
   )

@@ -9,7 +9,21 @@ from optax_muon._src.base import paths as _paths
 from optax_muon._src.transforms import scaling
 
 
-def render(rows, scale_of=scaling.scale_factor, moment2_of=None) -> str:
+class RoutingTable(str):
+  """The table as a string, shown as the table where Python shows a value
+  (a REPL, a notebook cell), as ``print`` shows it."""
+
+  def __repr__(self) -> str:
+    return str(self)
+
+  def _repr_pretty_(self, printer, cycle) -> None:  # IPython
+    del cycle
+    printer.text(str(self))
+
+
+def render(
+  rows, scale_of=scaling.scale_factor, moment2_of=None
+) -> RoutingTable:
   """One aligned line per leaf: path, shape, role, optimizer, matrices,
   scale (``scale_of(fan_out, fan_in)``, spectral by default), with
   ``moment2_of`` the second moment's shape (``moment2_of(count, fan_in,
@@ -45,7 +59,9 @@ def render(rows, scale_of=scaling.scale_factor, moment2_of=None) -> str:
     )
   lines.insert(0, tuple(header + ["rule"])[: len(lines[0]) if lines else 6])
   widths = [max(len(line[c]) for line in lines) for c in range(len(lines[0]))]
-  return "\n".join(
-    "  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
-    for line in lines
+  return RoutingTable(
+    "\n".join(
+      "  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
+      for line in lines
+    )
   )

@@ -107,6 +107,33 @@ def _out_in(params):
   )
 
 
+def torch_scale(adjust_lr_fn) -> tuple[types.ScaleMode, float]:
+  """``(scale_mode, extra_scale_factor)`` of torch's ``adjust_lr_fn``."""
+  if adjust_lr_fn not in ADJUST_LR_FNS:
+    raise ValueError(
+      f"adjust_lr_fn={adjust_lr_fn!r} is not accepted; accepted: "
+      f"{list(ADJUST_LR_FNS)}"
+    )
+  if adjust_lr_fn == "match_rms_adamw":
+    return "spectral", MATCH_RMS_ADAMW_FACTOR
+  return "shape_scaling", 1.0
+
+
+def torch_dimension_numbers(weight_order, dimension_numbers):
+  """The dimension numbers of ``weight_order`` (torch's ``(out, in)`` for
+  ``"out_in"``), or the user's for ``"in_out"``."""
+  _checks.check_choice("weight_order", weight_order, WEIGHT_ORDERS)
+  if weight_order == "in_out":
+    return dimension_numbers
+  if dimension_numbers is not None:
+    raise ValueError(
+      "weight_order='out_in' gives every 2-axis leaf torch's (out, in) "
+      "dimension numbers, but layout= or dimension_numbers= was also set; "
+      "pass one of them (weight_order='in_out' with a layout)"
+    )
+  return _out_in
+
+
 def _check_coefficients(ns_coefficients) -> tuple[float, float, float]:
   try:
     triple = tuple(float(c) for c in ns_coefficients)
@@ -149,7 +176,7 @@ def torch_muon(
   adam_b1: types.Numeric = 0.9,
   adam_b2: types.Numeric = 0.999,
   adam_eps: types.Numeric = 1e-8,
-  adam_weight_decay: types.Numeric = 0.0,
+  adam_weight_decay: types.Numeric = 0.01,
   adam_weight_decay_mask: types.PerLeaf = None,
   state_memory_kind: Literal["pinned_host"] | None = None,
 ) -> optax.GradientTransformation:
@@ -163,10 +190,19 @@ def torch_muon(
 
   with ``s = √max(1, A/B)`` (``adjust_lr_fn=None`` or ``"original"``,
   Keller Jordan's) or ``0.2 √max(A, B)`` (``"match_rms_adamw"``,
-  Moonlight's). torch's Muon takes 2-D params only; here the rest of the
-  tree is routed as ``om.muon`` routes it (embeddings, the head, norms and
-  biases to AdamW with the ``adam_*`` settings), and the keyword-only
-  arguments are ``om.muon``'s.
+  Moonlight's). torch's Muon takes 2-D params only, and a torch script
+  gives the rest to a second optimizer, usually ``torch.optim.AdamW``: here
+  the rest of the tree goes to AdamW with the ``adam_*`` settings, whose
+  decay defaults to AdamW's ``0.01`` (``om.muon``'s is optax's 0.0), on
+  that group's matrices (embeddings, the head) as ``om.muon`` masks it:
+  biases and norms do not decay (``adam_weight_decay_mask`` changes it). Which
+  leaves are the rest: with ``layout=om.infer_layout(model, batch)``, read
+  from the model (the head is the layer whose output is the model's
+  output, whatever its name); without it, by name as ``om.muon`` routes
+  (``embed``, ``head``, ``lm_head``, norms, biases, vectors), so a last
+  layer named otherwise (``fc2``, ``out``) goes to Muon. The keyword-only
+  arguments are ``om.muon``'s; ``compat.describe_torch_muon`` prints where
+  each leaf goes and its scale.
 
   Its weights stay within bf16's own rounding of torch's (the figures, and
   why no bf16 implementation with another summation order comes closer:
@@ -224,27 +260,10 @@ def torch_muon(
   _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
   if not isinstance(nesterov, bool):
     raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
-  if adjust_lr_fn not in ADJUST_LR_FNS:
-    raise ValueError(
-      f"adjust_lr_fn={adjust_lr_fn!r} is not accepted; accepted: "
-      f"{list(ADJUST_LR_FNS)}"
-    )
-  _checks.check_choice("weight_order", weight_order, WEIGHT_ORDERS)
   triple = _check_coefficients(ns_coefficients)
   labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
-  if weight_order == "out_in":
-    if dimension_numbers is not None:
-      raise ValueError(
-        "weight_order='out_in' gives every 2-axis leaf torch's (out, in) "
-        "dimension numbers, but layout= or dimension_numbers= was also set; "
-        "pass one of them (weight_order='in_out' with a layout)"
-      )
-    dimension_numbers = _out_in
-  scale_mode: types.ScaleMode
-  if adjust_lr_fn == "match_rms_adamw":
-    scale_mode, extra = "spectral", MATCH_RMS_ADAMW_FACTOR
-  else:
-    scale_mode, extra = "shape_scaling", 1.0
+  dimension_numbers = torch_dimension_numbers(weight_order, dimension_numbers)
+  scale_mode, extra = torch_scale(adjust_lr_fn)
   layout_args: dict[str, Any] = dict(
     dimension_numbers=dimension_numbers,
     split_qkv=split_qkv,
