@@ -16,9 +16,7 @@ from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.momentum import canonical_dtype
-from optax_muon._src.transforms.orthogonalize import (
-  orthogonalize as orthogonalize_transform,
-)
+from optax_muon._src.transforms.orthogonalize import orthogonalizer
 from optax_muon._src.views.layout import from_layout
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -272,14 +270,15 @@ def torch_muon(
   )
   direction = optax.chain(
     torch_momentum(momentum, nesterov=nesterov, dtype=mu_dtype),
-    orthogonalize_transform(
+    orthogonalizer(
       coefficients=[triple],
       steps=ns_steps,
       precision=precision,
       eps=eps,
       memory_budget=memory_budget,
+      torch_orientation=True,
       **layout_args,
-    ),
+    )[0],
     scaling.scale_by_shape(scale_mode, **layout_args),
     optax.scale(extra),
   )

@@ -119,10 +119,13 @@ def orthogonalizer(
   preconditioning: types.Preconditioning = "frobenius",
   add_eps: bool = False,
   memory_budget: int | None = None,
+  torch_orientation: bool = False,
 ) -> tuple[optax.GradientTransformation, Callable]:
   """``orthogonalize``'s transform and its ``run(updates, states=None,
   step=None)``, which the fused momentum (``muon_direction``) calls with the
-  momentum's state so that each leaf's momentum is computed in its wave."""
+  momentum's state so that each leaf's momentum is computed in its wave.
+  With ``torch_orientation`` a square matrix is iterated as torch holds it
+  (``layout.torch_oriented``; ``compat.torch_muon``)."""
   table, mode = coefficients_lib.resolve_coefficients(coefficients)
   _checks.check_int("steps", steps, minimum=1)
   _checks.check_choice("precision", precision, matrices.PRECISIONS)
@@ -152,9 +155,14 @@ def orthogonalizer(
       "preconditioning in ['frobenius', 'aol', 'schatten'] with that mode, "
       "or sharding.mode in ['blockwise', 'duplicated', 'allgather']"
     )
-  resolve_views = layout.view_resolver(
+  resolve_layout = layout.view_resolver(
     dimension_numbers, split_qkv, split_gate_up
   )
+  orient = layout.torch_oriented if torch_orientation else (lambda v: v)
+
+  def resolve_views(tree):
+    return [(p, leaf, orient(v)) for p, leaf, v in resolve_layout(tree)]
+
   solver = batched.Solver(
     table, mode, steps, precision, eps, preconditioning, add_eps, method
   )

@@ -177,6 +177,18 @@ class MatrixView:
     return jnp.transpose(flat.reshape(permuted_shape), inverse)
 
 
+def torch_oriented(view: MatrixView) -> MatrixView:
+  """``view`` with a square, unsplit matrix seen as ``(fan_out, fan_in)``:
+  torch's Muon iterates a square weight as it holds it, ``(out, in)``, and
+  a bf16 iteration's rounding depends on the orientation (the exact result
+  does not). Other matrices are iterated wide either way: unchanged."""
+  if view.widths or view.fan_in != view.fan_out:
+    return view
+  return dataclasses.replace(
+    view, reduction_axes=view.output_axes, output_axes=view.reduction_axes
+  )
+
+
 def _normalize_axes(name: str, axes, ndim: int, where: str) -> tuple[int, ...]:
   axes = (axes,) if isinstance(axes, int) else tuple(axes)
   if not axes:
