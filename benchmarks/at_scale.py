@@ -27,8 +27,10 @@ each kernel one ``[L, in, out]`` leaf as ``nn.scan`` / MaxText's
 one with ``jax.eval_shape`` and your partition specs).
 
 For each ``tp_mode`` (``--mesh 1x1``: one device, ``om.muon`` without
-``sharding``) and for ``optax.contrib.muon`` under GSPMD it prints a
-JSON line: per device the params, grads and state bytes, the compiler's
+``sharding``) and for ``optax.contrib.muon`` under GSPMD it prints a table
+row (GiB per device: params + grads + state, the update's temporaries, their
+total, whether it fits an 80 GB part, collectives by kind), and with
+``--json`` a JSON line instead: per device the params, grads and state bytes, the compiler's
 argument, output and temporary bytes, the collective bytes by kind (loop
 bodies counted trip-count times), compile seconds, and whether params +
 grads + device-resident state + temp fit an 80 GB, a 95 GB (v5p) and a
@@ -37,7 +39,9 @@ grads + device-resident state + temp fit an 80 GB, a 95 GB (v5p) and a
 ``om.QuantizedMomentum`` (blocks of up to 256 that divide every shard);
 ``--offload`` keeps the whole state in pinned host
 memory (``state_memory_kind``): the compiler's ``host_argument`` bytes are
-then the state's, and ``state_device_gib`` is zero.
+then the state's, and ``state_device_gib`` is zero. Activations and the
+forward and backward pass are not counted: "fits" is the optimizer's share
+of a part (80 GB = 74.5 GiB). ``--quick`` measures the tiny model.
 """
 
 import argparse
@@ -45,6 +49,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 
 _ARGS = sys.argv[1:]
@@ -160,8 +165,8 @@ def make_mesh(target: str, dp: int, tp: int):
       platform="tpu", topology_name=TARGETS[target]
     ).devices[: dp * tp]
   if len(devices) != dp * tp:
-    raise SystemExit(
-      f"--mesh {dp}x{tp} needs {dp * tp} devices; {target} has {len(devices)}"
+    raise ValueError(
+      f"{dp}x{tp} needs {dp * tp} devices; --target {target} has {len(devices)}"
     )
   return jax.sharding.Mesh(np.array(devices).reshape(dp, tp), ("data", "model"))
 
@@ -270,6 +275,8 @@ def measure(tx, params, name, offload=False):
     # what of it stays in device memory between steps
     "state_device_gib": 0.0 if offload else state_gib,
   }
+  # params + grads + the device-resident state, before the update's temp
+  record["pgs_gib"] = 2 * record["params_gib"] + record["state_device_gib"]
   try:
     compiled = jax.jit(tx.update).lower(params, state, params).compile()
   except Exception as error:  # the TPU compiler's refusal is a result here
@@ -279,6 +286,7 @@ def measure(tx, params, name, offload=False):
       error=text.splitlines()[0][:300],
       resource_exhausted="RESOURCE_EXHAUSTED" in text,
       compile_s=time.perf_counter() - start,
+      resident_gib=None,
     )
     return record
   record["compile_s"] = time.perf_counter() - start
@@ -304,30 +312,160 @@ def measure(tx, params, name, offload=False):
   record["collective_gib"] = {k: v / GIB for k, v in kinds.items() if v}
   record["collective_total_gib"] = sum(kinds.values()) / GIB
   record["compiled"] = True
-  resident = (
-    record["params_gib"]
-    + record["grads_gib"]
-    + record["state_device_gib"]
-    + record["temp_gib"]
-  )
+  resident = record["pgs_gib"] + record["temp_gib"]
   record["resident_gib"] = resident
   record["fits"] = {part: resident <= gib for part, gib in PARTS_GIB.items()}
   return record
 
 
+MODES = (*om.TensorParallel.MODES, "optax.contrib.muon")
+NOT_COUNTED = (
+  "Per device, one optimizer update: params + grads + optimizer state + the "
+  "update's temporaries (temp). Not counted: activations, the forward and "
+  "backward pass, the framework's own buffers, so 'fits' says whether the "
+  "optimizer's share fits a part, not the training step. Parts: "
+  + ", ".join(f"{part[:-2]} GB = {g:.1f} GiB" for part, g in PARTS_GIB.items())
+  + "."
+)
+
+
+def mesh_arg(text: str) -> tuple[int, int]:
+  """``"DPxTP"`` as two positive ints (argparse type)."""
+  parts = text.lower().split("x")
+  if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+    raise argparse.ArgumentTypeError(
+      f"{text!r} is not DPxTP with two positive ints, e.g. 1x8 (8-way tensor "
+      "parallel), 2x4, or 1x1 (one device)"
+    )
+  dp, tp = (int(p) for p in parts)
+  return dp, tp
+
+
+def model_arg(text: str) -> str:
+  """A model name or a ``.json`` tree that exists (argparse type)."""
+  if text in MODELS or (text.endswith(".json") and os.path.isfile(text)):
+    return text
+  raise argparse.ArgumentTypeError(
+    f"{text!r} is not a model; accepted: {sorted(MODELS)} or a .json tree "
+    "file that exists (see the module docstring for its format)"
+  )
+
+
+def positive_int(text: str) -> int:
+  """A positive int (argparse type)."""
+  if not text.isdigit() or int(text) < 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a positive int")
+  return int(text)
+
+
+def modes_arg(text: str) -> list[str]:
+  """Comma-separated modes, each of ``MODES`` (argparse type)."""
+  modes = [m for m in text.split(",") if m]
+  unknown = [m for m in modes if m not in MODES]
+  if unknown or not modes:
+    raise argparse.ArgumentTypeError(
+      f"{text!r} names {unknown or 'no mode'}; accepted: {list(MODES)}, "
+      "comma-separated"
+    )
+  return modes
+
+
+def gib(x: float) -> str:
+  """GiB to three significant figures (two decimals from 10 GiB up)."""
+  return f"{x:.2f}" if x >= 10 else f"{x:.3g}"
+
+
+def table(records: dict) -> str:
+  """The records as an aligned table (GiB per device), then what is and is
+  not counted."""
+  header = (
+    "mode",
+    "params+grads+state",
+    "temp",
+    "total",
+    f"fits 80 GB ({PARTS_GIB['80GB']:.1f} GiB)",
+    "collectives (GiB, by kind)",
+    "compile s",
+  )
+  rows = [header]
+  for name, r in records.items():
+    if not r["compiled"]:  # the compiler's refusal, as the JSON's error
+      why = "does not fit" if r["resource_exhausted"] else r["error"][:60]
+      rows.append(
+        (name, gib(r["pgs_gib"]), "—", "—", "no", f"refused: {why}", "")
+      )
+      continue
+    kinds = ", ".join(
+      f"{kind} {gib(size)}"
+      for kind, size in sorted(r["collective_gib"].items())
+    )
+    rows.append(
+      (
+        name,
+        gib(r["pgs_gib"]),
+        gib(r["temp_gib"]),
+        gib(r["resident_gib"]),
+        "yes" if r["fits"]["80GB"] else "no",
+        kinds or "none",
+        f"{r['compile_s']:.1f}",
+      )
+    )
+  widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+  lines = [
+    "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+    for row in rows
+  ]
+  return "\n".join(lines + ["", textwrap.fill(NOT_COUNTED, 79)])
+
+
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--model", default="llama3-8b")
-  parser.add_argument("--mesh", default="1x8", help="DPxTP")
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    epilog=(
+      f"Models: {', '.join(sorted(MODELS))}, or a .json tree. One GPU: "
+      "--target gpu --mesh 1x1. Prints a table (GiB per device); --json "
+      "prints one JSON line per mode instead. " + NOT_COUNTED
+    ),
+  )
+  parser.add_argument(
+    "--model",
+    default="llama3-8b",
+    type=model_arg,
+    help=f"one of {sorted(MODELS)} or a .json tree (default: llama3-8b)",
+  )
+  parser.add_argument(
+    "--mesh",
+    default=(1, 8),
+    type=mesh_arg,
+    help="DPxTP: data x tensor parallel (default: 1x8; one device: 1x1)",
+  )
   parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
   parser.add_argument("--stacked", action="store_true")
-  parser.add_argument("--layers", type=int, default=None)
-  parser.add_argument("--target", default="cpu", choices=sorted(TARGETS))
+  parser.add_argument(
+    "--layers",
+    type=positive_int,
+    default=None,
+    help="layers (default: the model's)",
+  )
+  parser.add_argument(
+    "--target",
+    default="cpu",
+    choices=sorted(TARGETS),
+    help="cpu: 8 simulated devices (default); gpu: this machine's; "
+    "tpu-v5p-8: a TPU topology, no TPU needed (libtpu)",
+  )
   parser.add_argument(
     "--modes",
-    default=",".join(om.TensorParallel.MODES + ("optax.contrib.muon",)),
+    default=list(MODES),
+    type=modes_arg,
+    help=f"comma-separated, of {list(MODES)} (default: all)",
   )
-  parser.add_argument("--memory-budget", type=int, default=None)
+  parser.add_argument(
+    "--memory-budget",
+    type=positive_int,
+    default=None,
+    help="bytes per device of NS work in flight",
+  )
   parser.add_argument(
     "--momentum",
     default="param",
@@ -339,19 +477,35 @@ def main(argv=None):
     action="store_true",
     help="the optimizer state in pinned host memory (state_memory_kind)",
   )
-  parser.add_argument("--quick", action="store_true")
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help="the tiny model (on the --target given)",
+  )
+  parser.add_argument(
+    "--json", action="store_true", help="one JSON line per mode"
+  )
   args = parser.parse_args(argv)
   if args.quick:
-    args.model, args.target = "tiny", "cpu"
-  dp, tp = (int(x) for x in args.mesh.lower().split("x"))
+    args.model = "tiny"
+  dp, tp = args.mesh
   flat = (
     read_tree(args.model)
     if args.model.endswith(".json")
     else llama_tree(args.model, args.stacked, args.layers)
   )
-  mesh = make_mesh(args.target, dp, tp)
+  try:
+    mesh = make_mesh(args.target, dp, tp)
+  except ValueError as error:
+    parser.error(f"argument --mesh: {error}")
+  except RuntimeError as error:  # no libtpu: the TPU topology cannot be made
+    parser.error(
+      f"argument --target: {args.target} needs the TPU compiler (libtpu): "
+      'pip install -e ".[tpu-compile]" "jax[tpu]==<your jax>" '
+      f"({str(error).splitlines()[0]})"
+    )
   params = abstract_tree(flat, mesh, DTYPES[args.dtype])
-  modes = args.modes.split(",")
+  modes = args.modes
   if dp * tp == 1:  # one device: no tensor parallelism to choose
     modes = ["unsharded"] + [m for m in modes if m == "optax.contrib.muon"]
   records = {}
@@ -360,13 +514,14 @@ def main(argv=None):
   built = optimizers(
     flat, mesh, modes, args.memory_budget, args.momentum, args.offload
   )
+  depth = MODELS[args.model][5] if args.model in MODELS else None
   for name, tx in built.items():
     record = {
       "benchmark": "at_scale",
       "model": args.model,
       "stacked": args.stacked,
-      "layers": args.layers,
-      "mesh": args.mesh,
+      "layers": args.layers or depth,
+      "mesh": f"{dp}x{tp}",
       "dtype": args.dtype,
       "target": args.target,
       "memory_budget": args.memory_budget,
@@ -381,7 +536,10 @@ def main(argv=None):
     total = record.get("collective_total_gib")
     if base and total is not None:
       record["bytes_over_duplicated"] = total / base
-    emit(record)
+    if args.json:
+      emit(record)
+  if not args.json:
+    print(table(records))
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ fi
 # one update compiled at Llama-3-8B shapes for this machine's GPU (one
 # device: unsharded), its memory against optax.contrib.muon's
 if [ "$quick" = "--quick" ]; then
-  "$py" benchmarks/at_scale.py --quick > "$out/at_scale.jsonl"
+  "$py" benchmarks/at_scale.py --quick --json > "$out/at_scale.jsonl"
 else
   "$py" benchmarks/at_scale.py --target gpu --mesh 1x1 --model llama3-8b \
-    --dtype bf16 > "$out/at_scale.jsonl"
+    --dtype bf16 --json > "$out/at_scale.jsonl"
 fi
 echo "wrote $(ls "$out" | wc -l) files to $out"

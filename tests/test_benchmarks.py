@@ -5,6 +5,7 @@ the four single-device benchmarks on the CPU, as it will on a GPU machine."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -150,6 +151,67 @@ def test_scaling_doc_table_is_the_plan_commands(monkeypatch):
         assert cell in row, (name, tp, cell, row)
 
 
+@pytest.mark.parametrize(
+  "args, flag",
+  [
+    (["--mesh", "8"], "--mesh"),
+    (["--mesh", "2x2x2"], "--mesh"),
+    (["--mesh", "ax8"], "--mesh"),
+    (["--mesh", "0x8"], "--mesh"),
+    (["--mesh", "4x4"], "--mesh"),  # 16 devices; the CPU target has 8
+    (["--model", "llama3-13b"], "--model"),
+    (["--layers", "0"], "--layers"),
+    (["--modes", "dup"], "--modes"),
+    (["--memory-budget", "-1"], "--memory-budget"),
+  ],
+)
+def test_at_scale_bad_arguments_exit_2_naming_them(args, flag):
+  result = subprocess.run(
+    [
+      sys.executable,
+      str(ROOT / "benchmarks" / "at_scale.py"),
+      "--quick",
+      *args,
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=300,
+    env=_env(),
+  )
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert f"argument {flag}:" in result.stderr, result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+
+
+def test_at_scale_table_has_the_json_numbers_and_says_what_is_counted():
+  args = ("--quick", "--modes", "blockwise,duplicated")
+  records = [
+    json.loads(l) for l in _run("at_scale.py", *args, "--json").split("\n") if l
+  ]
+  text = _run("at_scale.py", *args)
+  rows = [re.split(r"\s{2,}", line) for line in text.splitlines()[1:3]]
+  for record, row in zip(records, rows):
+    assert row[0] == record["mode"]
+    for cell, key in zip(row[1:4], ("pgs_gib", "temp_gib", "resident_gib")):
+      assert float(cell) == pytest.approx(record[key], rel=5e-3), (key, row)
+    assert (row[4] == "yes") == record["fits"]["80GB"]
+    # params + grads + device state + temp, as the JSON's parts add up
+    assert record["resident_gib"] == pytest.approx(
+      record["params_gib"]
+      + record["grads_gib"]
+      + record["state_device_gib"]
+      + record["temp_gib"]
+    )
+  gathered = float(rows[1][5].split()[-1])
+  assert gathered == pytest.approx(
+    record["collective_gib"]["all-gather"], rel=5e-3
+  )
+  words = " ".join(text.split())
+  assert "Not counted: activations, the forward and backward pass" in words
+  assert "80 GB = 74.5 GiB" in words
+
+
 def test_at_scale_compiles_every_mode_on_abstract_shapes():
   # --quick: a tiny Llama of 8 stacked layers on 8 CPU devices; a 1-byte
   # budget splits every stack (the suite needs no libtpu)
@@ -161,6 +223,7 @@ def test_at_scale_compiles_every_mode_on_abstract_shapes():
     "8",
     "--memory-budget",
     "1",
+    "--json",
   )
   records = {r["mode"]: r for r in (json.loads(l) for l in stdout.splitlines())}
   assert set(records) == {
