@@ -212,6 +212,25 @@ def test_at_scale_table_has_the_json_numbers_and_says_what_is_counted():
   assert "80 GB = 74.5 GiB" in words
 
 
+def test_momentum_8bit_reports_the_gap_beside_the_spread():
+  lines = [
+    json.loads(l) for l in _run("momentum_8bit.py", "--quick").split("\n") if l
+  ]
+  *seeds, summary = lines
+  assert len(seeds) == summary["seeds"] == 2
+  finals = {
+    k: [r[f"{k}_final_loss"] for r in seeds] for k in ("float32", "8bit")
+  }
+  assert summary["gap"] == pytest.approx(
+    sum(finals["8bit"]) / 2 - sum(finals["float32"]) / 2
+  )
+  assert summary["float32_spread"] == pytest.approx(
+    max(finals["float32"]) - min(finals["float32"])
+  )
+  # ten steps from the same start: the 8-bit run tracks float32's closely
+  assert abs(summary["8bit_over_float32"] - 1) <= 0.05, summary
+
+
 def test_at_scale_compiles_every_mode_on_abstract_shapes():
   # --quick: a tiny Llama of 8 stacked layers on 8 CPU devices; a 1-byte
   # budget splits every stack (the suite needs no libtpu)
