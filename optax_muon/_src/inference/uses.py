@@ -248,9 +248,9 @@ def _product_slice(analysis, eqn, values):
   else:
     starts = eqn.params["start_indices"]
     sizes = [b - a for a, b in zip(starts, eqn.params["limit_indices"])]
-  for axis, (old, new) in enumerate(zip(shape, sizes)):
-    if new == 1 < old:
-      analysis.mark(product.axes[axis], "split", "indexed apart")
+  # a slice of one element is indexed apart only once its axis is dropped
+  # (_product_squeeze: ``kv[..., 0, :]``); kept, it may be joined back
+  # (MaxText's RoPE rolls head_dim by concatenating ``x[..., :1]``)
   if eqn.primitive.name == "dynamic_slice":
     return [product]
   halves = [
@@ -259,6 +259,31 @@ def _product_slice(analysis, eqn, values):
     if 2 * new == old and start % new == 0
   ]
   return [halved(product, halves)]
+
+
+def _product_squeeze(analysis, eqn, values):
+  """A dropped axis of one element that carries a param's output axis: a
+  part taken apart from it (``kv[..., 0, :]``, a slice then a squeeze)."""
+  product = values[0]
+  if not isinstance(product, Product):
+    return None
+  dims = {d % len(product.axes) for d in eqn.params["dimensions"]}
+  for axis in dims:
+    analysis.mark(product.axes[axis], "split", "indexed apart")
+  return [VIEW_OPS["squeeze"](product, eqn)]
+
+
+def _product_concatenate(analysis, eqn, values):
+  """Products joined along an axis (MLA's ``[q_nope | q_pe]``, RoPE's
+  roll) with activations at most: each axis carries what any operand's
+  does."""
+  del analysis
+  rank = len(eqn.outvars[0].aval.shape)
+  prods = [v for v in values if isinstance(v, Product) and len(v.axes) == rank]
+  if not prods or any(isinstance(v, View) for v in values):
+    return None  # a parameter joined in (gpt-oss's sinks): the leaf rule's
+  axes = tuple(union(*axes) for axes in zip(*[p.axes for p in prods]))
+  return [Product(axes)]
 
 
 def _product_gather(analysis, eqn, values):
@@ -325,7 +350,30 @@ def _product_dot_general(analysis, eqn, values):
       analysis.mark(
         prod.axes[axis], "expert", "a batch dim of another parameter's matmul"
       )
+  if (prods[0] is None) != (prods[1] is None) and not any(
+    isinstance(v, View) for v in values
+  ):
+    # a product times activations (attention weights times the values):
+    # the result carries the product's batch and free axes, so a later
+    # matmul still sees what they are
+    return [_carried_through_dot(eqn, prods)]
   return None
+
+
+def _carried_through_dot(eqn, prods) -> Product:
+  """The output of ``dot_general`` whose one ``Product`` operand is in
+  ``prods``: its axes in the output's order (batch, lhs free, rhs free)."""
+  (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
+  batch = lhs_b if prods[0] is not None else rhs_b
+  carrier = prods[0] if prods[0] is not None else prods[1]
+  axes = [carrier.axes[d] for d in batch]
+  for prod, operand, contracting, batch_dims in (
+    (prods[0], eqn.invars[0], lhs_c, lhs_b),
+    (prods[1], eqn.invars[1], rhs_c, rhs_b),
+  ):
+    free = _free_axes(operand, contracting, batch_dims)
+    axes += [prod.axes[d] if prod is not None else frozenset() for d in free]
+  return Product(tuple(axes))
 
 
 def _product_moved(analysis, eqn, values):
@@ -356,6 +404,8 @@ PRODUCT_RULES = {
   "gather": _product_gather,
   "unstack": _product_unstack,
   "split": _product_split,
+  "squeeze": _product_squeeze,
+  "concatenate": _product_concatenate,
   "dot_general": _product_dot_general,
 }
 
