@@ -238,10 +238,22 @@ def test_duplicated_gathers_each_leaf_once():
     sharding=om.TensorParallel(mesh, mode="duplicated"),
     dimension_numbers="leading",
   )
-  _, counts = _collectives(
+  hlo, counts = _collectives(
     tx, tree, {"a": P(None, "model"), "b": P("model", None)}, mesh
   )
-  assert _only(counts, all_gather=2)
+  assert _gathers_and_scalars(hlo, counts, gathers=2, matrices=2)
+
+
+def _gathers_and_scalars(hlo, counts, gathers, matrices):
+  """``gathers`` all-gathers, and all-reduces of the normalization's max
+  and norm² only, reduced from the shards: 8 bytes a matrix at most."""
+  kinds = {k for k, v in counts.items() if v}
+  scalars = _hlo.collective_bytes(hlo)["all-reduce"]
+  return (
+    kinds <= {"all-gather", "all-reduce"}
+    and counts["all-gather"] == gathers
+    and 0 < scalars <= 8 * matrices
+  )
 
 
 def test_distributed_all_reduces_the_gram_matrix_once_per_step():
@@ -281,8 +293,8 @@ def test_allgather_uses_all_to_all_and_no_full_gather():
   assert _only(counts, all_to_all=2)
   # two: the all-to-alls would move as much as gathering each, so duplicated
   two = {f"w{i}": jnp.ones((32, 64)) for i in range(2)}
-  _, counts = _collectives(tx, two, {k: P(None, "model") for k in two}, mesh)
-  assert _only(counts, all_gather=2)
+  hlo, counts = _collectives(tx, two, {k: P(None, "model") for k in two}, mesh)
+  assert _gathers_and_scalars(hlo, counts, gathers=2, matrices=2)
 
 
 @pytest.mark.parametrize(
@@ -539,3 +551,55 @@ def test_bad_sharding_settings_raise():
     om.orthogonalize(
       sharding=om.TensorParallel(auto), dimension_numbers="leading"
     ).update(tree, optax.EmptyState())
+
+
+@pytest.mark.parametrize(
+  "precision, whole",
+  [("highest", False), ("high", False), ("bf16", True)],
+)
+def test_duplicated_normalizes_each_matrix_from_its_shards(precision, whole):
+  # the max and the norm are reduced from the shards (scalars over the TP
+  # axis) and the gathered matrix is only scaled: used once, so a compiler
+  # short of memory has no reason to gather it again for each reduction
+  # (XLA's GPU compile of Llama-3-70B did: 3x the bytes). The bf16 iterate
+  # rounds the norm of the whole matrix, as torch does: it keeps its order.
+  mesh = _mesh((2, 4), AxisType.Auto)
+  spec = P(None, "model")
+  w = jax.device_put(
+    normal(jax.random.key(3), (64, 128)), NamedSharding(mesh, spec)
+  )
+  tx = om.scale_by_muon(
+    precision=precision,
+    sharding=om.TensorParallel(mesh, mode="duplicated", specs={"w": spec}),
+  )
+  text = jax.jit(tx.update).lower({"w": w}, tx.init({"w": w}), {"w": w})
+  reduced = re.findall(
+    r"stablehlo\.reduce\(.*?\) applies stablehlo\.\w+.*?: \(tensor<([\dx]+)x",
+    text.as_text(),
+  )
+  assert reduced, "no reduction found: the pattern no longer reads the text"
+  assert ("1x64x128" in reduced) == whole, reduced
+  want, _ = om.scale_by_muon(precision=precision).update(
+    {"w": w}, om.scale_by_muon().init({"w": w})
+  )
+  got, _ = jax.jit(tx.update)({"w": w}, tx.init({"w": w}), {"w": w})
+  chex.assert_trees_all_close(got, want, atol=1e-5 if not whole else 2e-2)
+
+
+def test_an_asynchronous_gpu_collective_counts_its_results_only():
+  # XLA's GPU compiler writes a combined all-gather as a start whose type is
+  # ((operands...), (results...)) and a done; the bytes that move are the
+  # results'
+  hlo = "\n".join(
+    [
+      "ENTRY %main () -> f32[] {",
+      "  %s = ((bf16[4,2]{1,0}, bf16[8]{0}), (bf16[4,16]{1,0}, bf16[64]{0}))"
+      " all-gather-start(%a, %b), dimensions={1}",
+      "  %d = (bf16[4,16]{1,0}, bf16[64]{0}) all-gather-done(%s)",
+      "  %r = f32[16]{0} all-reduce(%c), to_apply=%add",
+      "}",
+    ]
+  )
+  got = _hlo.collective_bytes(hlo)
+  assert got["all-gather"] == (4 * 16 + 64) * 2
+  assert got["all-reduce"] == 16 * 4

@@ -57,6 +57,24 @@ class Solver:
   add_eps: bool = False
   method: types.Method = "standard"
 
+  @property
+  def normalizes_from_blocks(self) -> bool:
+    """Whether ``newton_schulz.frobenius_divisors`` of a matrix's blocks
+    give its normalization (optax's ``add_eps`` norm and the bf16 iterate's
+    rounded one are computed whole)."""
+    return (
+      self.preconditioning == "frobenius"
+      and not self.add_eps
+      and self.precision != "bf16"
+    )
+
+  def prenormalized(self) -> "Solver":
+    """This solver for matrices that come normalized."""
+    return dataclasses.replace(
+      self,
+      preconditioning=ns.PRENORMALIZED,  # type: ignore[arg-type]
+    )
+
 
 def _chunks(groups, sizes, ranks: int = 1):
   """Each group split into stacks of at most the cap above (one matrix at

@@ -53,18 +53,28 @@ def normalize(
         )
       )
     return x / (norm + eps).astype(x.dtype)
+  peak, norm = frobenius_divisors(x, eps, axis_name)
+  return x / peak / norm
+
+
+def frobenius_divisors(x: jax.Array, eps: float, axis_name=None):
+  """``(peak, norm)`` per matrix, ``normalize(x) = x / peak / norm``: the
+  largest magnitude (1 for a zero matrix) and ``max(‖x / peak‖_F, eps)``.
+  Inside ``shard_map`` with ``axis_name``, ``x`` is a block of each matrix
+  and both are reduced over that axis (scalars), so a caller may gather the
+  matrix after and use it once."""
   peak = _all_reduce(
     jax.lax.pmax, jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True), axis_name
   )
-  x = x / jnp.where(peak > 0, peak, 1.0)
+  peak = jnp.where(peak > 0, peak, 1.0)
   norm = jnp.sqrt(
     _all_reduce(
       jax.lax.psum,
-      jnp.sum(jnp.square(jnp.abs(x)), axis=(-2, -1), keepdims=True),
+      jnp.sum(jnp.square(jnp.abs(x / peak)), axis=(-2, -1), keepdims=True),
       axis_name,
     )
   )
-  return x / jnp.maximum(norm, eps)
+  return peak, jnp.maximum(norm, eps)
 
 
 def _normalize_in_bf16(x: jax.Array, eps: float, axis_name=None) -> jax.Array:
@@ -91,6 +101,9 @@ def _normalize_in_bf16(x: jax.Array, eps: float, axis_name=None) -> jax.Array:
 
 
 PRECONDITIONINGS = typing.get_args(types.Preconditioning)
+# internal: the matrices come normalized (a sharded caller did it from the
+# shards, ``frobenius_divisors``)
+PRENORMALIZED = "prenormalized"
 GRAM_RESCALINGS = ("aol", "schatten")  # scale X from A = X Xᴴ
 
 
@@ -135,6 +148,8 @@ def precondition(
   ``shard_map``, ``axis_name`` names the axis the columns are split over
   (not for ``"spectral"``).
   """
+  if preconditioning == PRENORMALIZED:
+    return x
   if preconditioning == "frobenius":
     return normalize(x, eps, axis_name, add_eps, precision)
   if preconditioning == "spectral":

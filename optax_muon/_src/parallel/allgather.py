@@ -230,7 +230,7 @@ def _tasks(
 
 
 def plan(
-  leaves: list[Leaf], tp: TensorParallel, budget: int
+  leaves: list[Leaf], tp: TensorParallel, budget: int, solver=None
 ) -> list[waves.Task]:
   """The leaves grouped by the shape of their matrices once turned wide; a
   group that shares out (``shares_out``) goes through the all-to-alls, in
@@ -244,5 +244,5 @@ def plan(
     if shares_out(sum(m.items for m in members), tp.size):
       tasks += _tasks(members, tp, budget)
     else:
-      tasks += [duplicated.task(m.leaf, tp) for m in members]
+      tasks += [duplicated.task(m.leaf, tp, solver) for m in members]
   return tasks

@@ -9,10 +9,10 @@ from optax_muon._src.parallel.tensor_parallel import local_view
 
 
 def plan(
-  leaves: list[Leaf], tp: TensorParallel, budget: int
+  leaves: list[Leaf], tp: TensorParallel, budget: int, solver=None
 ) -> list[waves.Task]:
   """One task per leaf: its local matrices, as they are."""
-  del budget
+  del budget, solver
   return [
     waves.view_task(
       leaf.x,

@@ -40,8 +40,8 @@ def task(leaf: Leaf, tp: TensorParallel) -> waves.Task:
 
 
 def plan(
-  leaves: list[Leaf], tp: TensorParallel, budget: int
+  leaves: list[Leaf], tp: TensorParallel, budget: int, solver=None
 ) -> list[waves.Task]:
   """One task per leaf."""
-  del budget
+  del budget, solver
   return [task(leaf, tp) for leaf in leaves]

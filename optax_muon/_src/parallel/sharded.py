@@ -92,6 +92,14 @@ def orthogonalize_sharded(
     "distributed": lambda ms: batched.orthogonalize_split_columns(
       ms, solver, tp.axis
     ),
+    "local" + duplicated.PRENORMALIZED: lambda ms: (
+      batched.orthogonalize_matrices(ms, solver.prenormalized())
+    ),
+    "replicated" + duplicated.PRENORMALIZED: lambda ms: (
+      batched.orthogonalize_matrices(
+        ms, solver.prenormalized(), tp.distribute_over
+      )
+    ),
   }
 
   def body(*local_leaves):
@@ -132,7 +140,7 @@ def orthogonalize_sharded(
     tasks = [
       task
       for mode, planner in PLANNERS.items()
-      for task in planner(by_mode[mode], tp, budget)
+      for task in planner(by_mode[mode], tp, budget, solver)
     ]
     if states is not None:
       tasks = [
