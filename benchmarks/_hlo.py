@@ -104,10 +104,37 @@ def collective_bytes(hlo: str) -> dict:
       continue
     for line in lines:
       for kind in COLLECTIVES:
-        match = re.search(rf"= (\([^)]*\)|\S+) {kind}(-start)?\(", line)
+        match = re.search(rf"= (.+?) {kind}(-start)?\(", line)
         if match:
-          totals[kind] += _array_bytes(match.group(1)) * times
+          totals[kind] += _array_bytes(_results(match.group(1))) * times
   return totals
+
+
+def _top_level(text: str) -> list[str]:
+  """The elements of a tuple type ``(a, b, ...)``, split at depth one."""
+  parts, depth, start = [], 0, 1
+  for i, char in enumerate(text):
+    if char in "({[":
+      depth += 1
+    elif char in ")}]":
+      depth -= 1
+    elif char == "," and depth == 1:
+      parts.append(text[start:i].strip())
+      start = i + 1
+  parts.append(text[start:-1].strip())
+  return parts
+
+
+def _results(shape_text: str) -> str:
+  """The results of a collective's type: an asynchronous start's type on the
+  GPU is ``((operands...), (results...))``, of which the results move; any
+  other type is counted whole."""
+  if not shape_text.startswith("(("):
+    return shape_text
+  parts = _top_level(shape_text)
+  if len(parts) == 2 and all(p.startswith("(") for p in parts):
+    return parts[1]
+  return shape_text
 
 
 def host_bytes(hlo: str) -> tuple[int, int]:

@@ -56,7 +56,15 @@ _ARGS = sys.argv[1:]
 _TARGET = (
   _ARGS[_ARGS.index("--target") + 1] if "--target" in _ARGS[:-1] else "cpu"
 )
-if _TARGET.startswith("tpu"):
+# GPUs compiled for without one (benchmarks/gpu_targets/<part>.txtpb)
+GPU_PARTS = ("a100", "h100", "h200", "b200")
+if _TARGET.split("-")[0] in GPU_PARTS:
+  # a GPU compiled for without one: no driver, so the CUDA plugin's version
+  # check (cuInit) is skipped, in this script only; the default backend
+  # stays the CPU
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+elif _TARGET.startswith("tpu"):
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   # no TPU is opened, so one run need not lock out the next
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -85,8 +93,15 @@ MODELS = {
   "llama3-70b": (8192, 28672, 64, 8, 128, 80, 128256),
   "tiny": (256, 1024, 8, 4, 32, 4, 1024),  # --quick
 }
+# deviceless GPU targets: an XLA GpuTargetConfigProto in benchmarks/gpu_targets
+GPU_TARGETS = {f"{part}-8": f"{part}.txtpb" for part in GPU_PARTS}
 # None: this machine's own devices (8 simulated ones for "cpu")
-TARGETS = {"cpu": None, "gpu": None, "tpu-v5p-8": "v5p:2x2x2"}
+TARGETS = {
+  "cpu": None,
+  "gpu": None,
+  "tpu-v5p-8": "v5p:2x2x2",
+  **{target: "1x1x8" for target in GPU_TARGETS},
+}
 PARTS_GIB = {"80GB": 80e9 / 2**30, "95GB": 95.74, "141GB": 141e9 / 2**30}
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 GIB = 2**30
@@ -158,6 +173,19 @@ def tree_bytes(tree) -> int:
 def make_mesh(target: str, dp: int, tp: int):
   if TARGETS[target] is None:
     devices = jax.devices()[: dp * tp]
+  elif target in GPU_TARGETS:
+    from jax.experimental import topologies
+
+    config = os.path.join(
+      os.path.dirname(__file__), "gpu_targets", GPU_TARGETS[target]
+    )
+    with open(config) as f:
+      devices = topologies.get_topology_desc(
+        target.split("-")[0],
+        "cuda",
+        target_config=f.read(),
+        topology=TARGETS[target],
+      ).devices[: dp * tp]
   else:
     from jax.experimental import topologies
 
@@ -452,7 +480,8 @@ def main(argv=None):
     default="cpu",
     choices=sorted(TARGETS),
     help="cpu: 8 simulated devices (default); gpu: this machine's; "
-    "tpu-v5p-8: a TPU topology, no TPU needed (libtpu)",
+    "tpu-v5p-8: a TPU topology, no TPU needed (libtpu); a100-8, h100-8, "
+    "h200-8, b200-8: eight such GPUs, none needed (the gpu-compile extra)",
   )
   parser.add_argument(
     "--modes",
@@ -498,11 +527,12 @@ def main(argv=None):
     mesh = make_mesh(args.target, dp, tp)
   except ValueError as error:
     parser.error(f"argument --mesh: {error}")
-  except RuntimeError as error:  # no libtpu: the TPU topology cannot be made
+  except RuntimeError as error:  # no compiler for the target's devices
+    extra = "gpu-compile" if args.target in GPU_TARGETS else "tpu-compile"
     parser.error(
-      f"argument --target: {args.target} needs the TPU compiler (libtpu): "
-      'pip install -e ".[tpu-compile]" "jax[tpu]==<your jax>" '
-      f"({str(error).splitlines()[0]})"
+      f"argument --target: {args.target} needs its compiler: pip install -e "
+      f'".[{extra}]" (which pins the plugin to the installed jax; Python '
+      f">= 3.12 for jax 0.12) ({str(error).splitlines()[0]})"
     )
   params = abstract_tree(flat, mesh, DTYPES[args.dtype])
   modes = args.modes
