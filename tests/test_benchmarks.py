@@ -60,9 +60,9 @@ def _env():
   return dict(os.environ, XLA_FLAGS="", PYTHON=sys.executable)
 
 
-def _run(script: str, *args: str) -> str:
-  """``benchmarks/<script>`` with ``args``; its stdout, once it exited 0."""
-  result = subprocess.run(
+def _call(script: str, *args: str) -> subprocess.CompletedProcess:
+  """``benchmarks/<script>`` with ``args``, as it exited."""
+  return subprocess.run(
     [sys.executable, str(ROOT / "benchmarks" / script), *args],
     capture_output=True,
     text=True,
@@ -70,6 +70,11 @@ def _run(script: str, *args: str) -> str:
     timeout=600,
     env=_env(),
   )
+
+
+def _run(script: str, *args: str) -> str:
+  """``benchmarks/<script>`` with ``args``; its stdout, once it exited 0."""
+  result = _call(script, *args)
   assert result.returncode == 0, result.stderr[-2000:]
   return result.stdout
 
@@ -166,19 +171,7 @@ def test_scaling_doc_table_is_the_plan_commands(monkeypatch):
   ],
 )
 def test_at_scale_bad_arguments_exit_2_naming_them(args, flag):
-  result = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "benchmarks" / "at_scale.py"),
-      "--quick",
-      *args,
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    timeout=300,
-    env=_env(),
-  )
+  result = _call("at_scale.py", "--quick", *args)
   assert result.returncode == 2, result.stderr[-2000:]
   assert f"argument {flag}:" in result.stderr, result.stderr[-2000:]
   assert "Traceback" not in result.stderr
