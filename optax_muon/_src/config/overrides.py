@@ -60,23 +60,30 @@ def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
+def _holds_text(hint) -> bool:
+  """Whether a field of type ``hint`` holds a string: ``str``, a
+  ``Literal``, or a union of those and ``None``."""
+  if hint is str or typing.get_origin(hint) is typing.Literal:
+    return True
+  members = [a for a in typing.get_args(hint) if a is not type(None)]
+  return (
+    typing.get_origin(hint) in (typing.Union, types.UnionType)
+    and bool(members)
+    and all(_holds_text(a) for a in members)
+  )
+
+
 def coerce(name: str, value: Any, hint, parse_strings: bool = True) -> Any:
   """``value`` as the field's type; strings are parsed (with
   ``parse_strings``; else a string is accepted only for a string field),
   other types checked."""
   origin = typing.get_origin(hint)
-  textual = hint is str or origin is typing.Literal
-  if not parse_strings and isinstance(value, str) and not textual:
-    inner = [a for a in typing.get_args(hint) if a is not type(None)]
-    if not (
-      inner
-      and all(a is str or typing.get_origin(a) is typing.Literal for a in inner)
-    ):
-      raise ValueError(
-        f"{name}={value!r} is a string; give a value of type "
-        f"{getattr(hint, '__name__', hint)} (strings such as 'true' or "
-        "'1e-3' are parsed by MuonConfig.from_overrides and from_dict)"
-      )
+  if not parse_strings and isinstance(value, str) and not _holds_text(hint):
+    raise ValueError(
+      f"{name}={value!r} is a string; give a value of type "
+      f"{getattr(hint, '__name__', hint)} (strings such as 'true' or "
+      "'1e-3' are parsed by MuonConfig.from_overrides and from_dict)"
+    )
   if origin in (typing.Union, types.UnionType) and type(
     None
   ) in typing.get_args(hint):

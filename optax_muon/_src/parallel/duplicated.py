@@ -32,20 +32,22 @@ def task(
   assert tp_dim is not None, "a duplicated leaf is split over the TP axis"
   full_shape = list(x.shape)
   full_shape[tp_dim] *= tp.size
-  prenormalize = (
-    solver is not None and solver.normalizes_from_blocks and not view.widths
+  # the solver whose normalization is done here, from the shards, or None
+  normalizing = (
+    solver
+    if solver is not None and solver.normalizes_from_blocks and not view.widths
+    else None
   )
 
   def prepare(inputs):
-    if prenormalize:
-      assert solver is not None
+    if normalizing is not None:
       (block,) = local_view(view, inputs[0].shape).to_matrices(inputs[0])
       block = block.astype(working_dtype(block.dtype))
-      peak, norm = ns.frobenius_divisors(block, solver.eps, tp.axis)
+      peak, norm = ns.frobenius_divisors(block, normalizing.eps, tp.axis)
     full = jax.lax.all_gather(inputs[0], tp.axis, axis=tp_dim, tiled=True)
     full_view = local_view(view, full.shape)
     matrices = full_view.to_matrices(full)
-    if prenormalize:
+    if normalizing is not None:
       (matrix,) = matrices
       matrices = [matrix.astype(working_dtype(matrix.dtype)) / peak / norm]
     return matrices, full_view
@@ -59,7 +61,7 @@ def task(
     prepare,
     restore,
     lambda outputs: leaf.finish(outputs[0]),
-    leaf.solver(tp) + (PRENORMALIZED if prenormalize else ""),
+    leaf.solver(tp) + (PRENORMALIZED if normalizing is not None else ""),
     waves.view_bytes(local_view(view, full_shape), x.dtype.itemsize),
     waves.split_axis(view, x.shape),
   )

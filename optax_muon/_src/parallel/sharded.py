@@ -84,21 +84,19 @@ def orthogonalize_sharded(
   counts = [0] * len(leaves) if states is None else [len(a) for a in states]
   budget = waves.resolve(memory_budget)
   in_specs = tuple(PartitionSpec(*[a or None for a in spec]) for spec in specs)
+
+  def stacks(solver, axis=None):
+    return lambda ms: batched.orthogonalize_matrices(ms, solver, axis)
+
   solvers = {
-    "local": lambda ms: batched.orthogonalize_matrices(ms, solver),
-    "replicated": lambda ms: batched.orthogonalize_matrices(
-      ms, solver, tp.distribute_over
-    ),
+    "local": stacks(solver),
+    "replicated": stacks(solver, tp.distribute_over),
     "distributed": lambda ms: batched.orthogonalize_split_columns(
       ms, solver, tp.axis
     ),
-    "local" + duplicated.PRENORMALIZED: lambda ms: (
-      batched.orthogonalize_matrices(ms, solver.prenormalized())
-    ),
-    "replicated" + duplicated.PRENORMALIZED: lambda ms: (
-      batched.orthogonalize_matrices(
-        ms, solver.prenormalized(), tp.distribute_over
-      )
+    "local" + duplicated.PRENORMALIZED: stacks(solver.prenormalized()),
+    "replicated" + duplicated.PRENORMALIZED: stacks(
+      solver.prenormalized(), tp.distribute_over
     ),
   }
 
