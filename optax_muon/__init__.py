@@ -29,6 +29,8 @@ from optax_muon._src.optimizers.muon import scale_by_muon
 from optax_muon._src.optimizers.polargrad import polargrad
 from optax_muon._src.optimizers.polargrad import scale_by_polargrad
 from optax_muon._src.optimizers.scion import scion
+from optax_muon._src.parallel.rates import KNOWN_RATES
+from optax_muon._src.parallel.rates import DeviceRates
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.zero1 import zero1_sharding
 from optax_muon._src.transforms.hyperball import hyperball
@@ -53,6 +55,8 @@ except _metadata.PackageNotFoundError:  # a source tree on sys.path
 
 __all__ = (
   "COEFFICIENT_SETS",
+  "DeviceRates",
+  "KNOWN_RATES",
   "Layout",
   "MuonConfig",
   "MuonDimensionNumbers",

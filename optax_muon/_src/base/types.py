@@ -31,6 +31,6 @@ Preconditioning = Literal["frobenius", "spectral", "aol", "schatten"]
 ScalarOptimizer = Literal["adam", "lion"]
 Moment2Method = Literal["adamuon", "normuon", "namo"]
 TensorParallelMode = Literal[
-  "blockwise", "duplicated", "distributed", "allgather"
+  "blockwise", "duplicated", "distributed", "allgather", "auto"
 ]
 MemoryKind = Literal["pinned_host"]

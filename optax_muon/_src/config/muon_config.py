@@ -74,9 +74,10 @@ class MuonConfig:
     muon_scale_mode: ``"spectral"``, ``"shape_scaling"`` or ``"unit_rms_norm"``.
     muon_coefficient_type: a Newton–Schulz schedule name.
     muon_num_ns_steps: Newton–Schulz steps.
-    muon_tp_mode: ``"blockwise"``, ``"duplicated"``, ``"distributed"`` or
-      ``"allgather"``; ``None`` (unset): ``"blockwise"`` when ``build`` gets a
-      mesh. Set, it needs one.
+    muon_tp_mode: ``"blockwise"``, ``"duplicated"``, ``"distributed"``,
+      ``"allgather"`` or ``"auto"`` (each leaf the exact mode of least
+      modeled time, Megatron-Core's ``--muon-tp-mode auto``); ``None``
+      (unset): ``"blockwise"`` when ``build`` gets a mesh. Set, it needs one.
     muon_fp32_matmul_prec: ``"highest"``, ``"high"``, ``"medium"``, ``"fp16"``
       or ``"bf16"``.
     muon_extra_scale_factor: factor after the shape scale, > 0; ``None``

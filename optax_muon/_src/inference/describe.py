@@ -5,6 +5,7 @@ from typing import Any
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optax_muon._src.base import checks as _checks
@@ -13,6 +14,10 @@ from optax_muon._src.base import types
 from optax_muon._src.inference.table import RoutingTable
 from optax_muon._src.inference.table import render
 from optax_muon._src.optimizers import torch_muon as torch_muon_lib
+from optax_muon._src.parallel import cost
+from optax_muon._src.parallel import tensor_parallel as sharding_lib
+from optax_muon._src.parallel import waves
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.moment2 import MOMENT2_METHODS
 from optax_muon._src.transforms.moment2 import moment2_shape
@@ -34,6 +39,11 @@ def describe(
   extra_scale_factor: types.Numeric | None = None,
   adam_b1: types.Numeric = 0.9,
   moment2_method: types.Moment2Method | None = None,
+  sharding: TensorParallel | None = None,
+  steps: types.Steps = 5,
+  precision: types.Precision = "highest",
+  preconditioning: types.Preconditioning = "frobenius",
+  memory_budget: int | None = None,
 ) -> RoutingTable:
   """The routing table for the given ``om.muon`` settings (defaults
   included): what each leaf gets before training starts. It returns the
@@ -43,8 +53,12 @@ def describe(
 
   ``labels``, ``dimension_numbers``, ``split_qkv``, ``split_gate_up``,
   ``layout``, ``scale_mode``, ``match_adamw_update_rms``,
-  ``extra_scale_factor`` and ``adam_b1`` are as in ``om.muon``;
-  ``moment2_method`` as in ``om.adaptive_muon``.
+  ``extra_scale_factor``, ``adam_b1``, ``sharding``, ``steps``,
+  ``precision``, ``preconditioning`` and ``memory_budget`` are as in
+  ``om.muon``; ``moment2_method`` as in ``om.adaptive_muon``. With
+  ``sharding``, the table says each Muon leaf's tensor-parallel mode and
+  why: under ``mode="auto"`` each allowed mode's modeled time (the cost
+  model of ``optax_muon.parallel.cost``, for the params' dtype).
 
   Args:
     params: the parameter tree (arrays, shape structs or ``nnx.State``).
@@ -55,7 +69,8 @@ def describe(
     piece), the scale each matrix's update gets (shape scale × extra
     factor), and with ``moment2_method`` the shape of the second moment
     ``om.adaptive_muon`` keeps for it, in the same ``count × fan_in ×
-    fan_out`` terms (NorMuon's ``1`` is the axis it averages over).
+    fan_out`` terms (NorMuon's ``1`` is the axis it averages over), and
+    with ``sharding`` the tp mode and why.
 
   Raises:
     ValueError: what ``om.muon`` would raise at ``init`` for these settings
@@ -100,6 +115,20 @@ def describe(
     )
     reason = [reason_of.get(path, "—")] if layout is not None else []
     rows.append((path, leaf, role, label_of[path], view, *reason))
+  modes_of = None
+  if sharding is not None:
+    sharding_lib.check_sharding(sharding)
+    waves.check_memory_budget(memory_budget)
+    modes = _tp_modes(
+      sharding,
+      muon_only,
+      view_of,
+      steps,
+      precision,
+      preconditioning,
+      memory_budget,
+    )
+    modes_of = lambda path: modes.get(path, ("—", "—"))
   return render(
     rows,
     lambda fan_out, fan_in: (
@@ -108,7 +137,40 @@ def describe(
     moment2_of=None
     if moment2_method is None
     else functools.partial(moment2_shape, moment2_method),
+    modes_of=modes_of,
   )
+
+
+def _tp_modes(
+  sharding, muon_only, view_of, steps, precision, preconditioning, budget
+) -> dict:
+  """Each Muon leaf's ``(tp mode, why)`` under ``sharding``."""
+  paths = [p for p, _ in _paths.leaves_with_paths(muon_only)[0]]
+  leaves = [x for _, x in _paths.leaves_with_paths(muon_only)[0]]
+  views = [view_of[p] for p in paths]
+  specs = sharding.leaf_specs(muon_only)
+  tp_dims = [
+    sharding_lib.tp_dim_of(v, s, sharding) for v, s in zip(views, specs)
+  ]
+  if sharding.mode != "auto":
+    return {
+      p: (sharding_lib.mode_for(sharding.mode, v, d), "set")
+      for p, v, d in zip(paths, views, tp_dims)
+    }
+  choices = cost.leaf_choices(
+    sharding,
+    views,
+    specs,
+    [jnp.dtype(x.dtype).itemsize for x in leaves],
+    steps,
+    precision,
+    preconditioning,
+    budget,
+  )
+  return {
+    p: (c.mode, "not sharded over the TP axis" if d is None else c.reason)
+    for p, c, d in zip(paths, choices, tp_dims)
+  }
 
 
 def describe_torch_muon(

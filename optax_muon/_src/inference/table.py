@@ -22,14 +22,16 @@ class RoutingTable(str):
 
 
 def render(
-  rows, scale_of=scaling.scale_factor, moment2_of=None
+  rows, scale_of=scaling.scale_factor, moment2_of=None, modes_of=None
 ) -> RoutingTable:
   """One aligned line per leaf: path, shape, role, optimizer, matrices,
   scale (``scale_of(fan_out, fan_in)``, spectral by default), with
   ``moment2_of`` the second moment's shape (``moment2_of(count, fan_in,
-  fan_out)``), and the rule that decided when rows carry one."""
+  fan_out)``), with ``modes_of`` (``path -> cells``) the tensor-parallel
+  mode and why, and the rule that decided when rows carry one."""
   header = ["path", "shape", "role", "optimizer", "matrices", "scale"]
   header += ["second moment"] if moment2_of is not None else []
+  header += ["tp mode", "why"] if modes_of is not None else []
   lines = []
   for path, leaf, role, label, view, *reason in rows:
     shape = "×".join(map(str, jnp.shape(leaf))) or "scalar"
@@ -53,9 +55,10 @@ def render(
             for fan_in, fan_out in pieces
           )
         ]
+    modes = () if modes_of is None else tuple(modes_of(path))
     lines.append(
       (_paths.path_string(path), shape, role, label, matrices, scale)
-      + (*moment2, *reason)
+      + (*moment2, *modes, *reason)
     )
   lines.insert(0, tuple(header + ["rule"])[: len(lines[0]) if lines else 6])
   widths = [max(len(line[c]) for line in lines) for c in range(len(lines[0]))]

@@ -274,10 +274,20 @@ def scale_by_shape(
   Returns:
     A stateless ``optax.GradientTransformation``.
   """
+  return _shape_scale(weight_dimension_numbers, consistent_rms, sharding)
+
+
+def _shape_scale(
+  weight_dimension_numbers, consistent_rms, sharding, **solver_settings
+) -> optax.GradientTransformation:
+  """``scale_by_shape`` with the orthogonalize's ``steps``, ``precision``,
+  ``preconditioning`` and ``memory_budget`` (``tp_mode="auto"`` with
+  ``blockwise`` allowed chooses by them which leaves scale by their shard)."""
   by_shape = scaling.scale_by_shape(
     "shape_scaling" if consistent_rms is None else "spectral",
     dimension_numbers=weight_dimension_numbers,
     sharding=sharding,
+    **solver_settings,
   )
 
   def update_fn(updates, state, params=None):
@@ -435,7 +445,15 @@ def muon(
           precision=precision,
           memory_budget=memory_budget,
         ),
-        scale_by_shape(muon_dims, consistent_rms, sharding=sharding),
+        _shape_scale(
+          muon_dims,
+          consistent_rms,
+          sharding,
+          steps=_coefficient_rows(ns_coeffs, ns_steps)[1],
+          precision=precision,
+          preconditioning=preconditioning,
+          memory_budget=memory_budget,
+        ),
         optax.add_decayed_weights(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
       ),

@@ -279,7 +279,13 @@ def torch_muon(
       torch_orientation=True,
       **layout_args,
     )[0],
-    scaling.scale_by_shape(scale_mode, **layout_args),
+    scaling.scale_by_shape(
+      scale_mode,
+      steps=ns_steps,
+      precision=precision,
+      memory_budget=memory_budget,
+      **layout_args,
+    ),
     optax.scale(extra),
   )
   return route(

@@ -13,11 +13,13 @@ budget (``waves``).
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from optax_muon._src.kernels import batched
 from optax_muon._src.parallel import allgather
 from optax_muon._src.parallel import blockwise
+from optax_muon._src.parallel import cost
 from optax_muon._src.parallel import distributed
 from optax_muon._src.parallel import duplicated
 from optax_muon._src.parallel import waves
@@ -25,6 +27,7 @@ from optax_muon._src.parallel.tensor_parallel import Leaf
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.tensor_parallel import mode_for
 from optax_muon._src.parallel.tensor_parallel import own_chunk
+from optax_muon._src.parallel.tensor_parallel import tp_dim_of
 
 PLANNERS = {
   "blockwise": blockwise.plan,
@@ -83,6 +86,16 @@ def orthogonalize_sharded(
   """
   counts = [0] * len(leaves) if states is None else [len(a) for a in states]
   budget = waves.resolve(memory_budget)
+  modes = cost.leaf_modes(
+    tp,
+    views,
+    specs,
+    [jnp.dtype(x.dtype).itemsize for x in leaves],
+    solver.steps,
+    solver.precision,
+    solver.preconditioning,
+    memory_budget,
+  )
   in_specs = tuple(PartitionSpec(*[a or None for a in spec]) for spec in specs)
 
   def stacks(solver, axis=None):
@@ -120,10 +133,7 @@ def orthogonalize_sharded(
         new_states[index] = arrays
 
       finish_states[id(x)] = (index, finish_state)
-      tp_dims = [
-        d for d in view.reduction_axes + view.output_axes if tp.axis in spec[d]
-      ]
-      tp_dim = tp_dims[0] if tp_dims else None
+      tp_dim = tp_dim_of(view, spec, tp)
 
       def finish(out, gathered=gathered, index=index):
         for name, dim in reversed(gathered):
@@ -134,7 +144,7 @@ def orthogonalize_sharded(
         tp.distribute_over in spec[d] for d in view.batch_axes
       )
       leaf = Leaf(x, view, tp_dim, finish, replicated)
-      by_mode[mode_for(tp.mode, view, tp_dim)].append(leaf)
+      by_mode[mode_for(modes[index], view, tp_dim)].append(leaf)
     tasks = [
       task
       for mode, planner in PLANNERS.items()

@@ -15,6 +15,10 @@ handled by ``TensorParallel.mode`` (Megatron-Core's ``muon_tp_mode``):
   scalar max and norm of the normalization). When the sharded side is the
   short one the Gram matrix would be the large one, so such a leaf is
   gathered as in ``duplicated`` (one all-gather moves less);
+* ``auto``: per leaf, the mode of least modeled time (``cost``: Newton–Schulz
+  FLOPs at the device's matmul rate plus collective bytes at its link's
+  bandwidth) among ``auto_modes``, the exact ones unless ``blockwise`` is
+  allowed;
 * ``allgather``: the matrices of the same shape once turned wide (each
   layer of a scanned stack, each expert, each per-layer leaf) are stacked
   and re-laid out with one all-to-all so that each rank holds whole
@@ -49,9 +53,12 @@ from jax.sharding import PartitionSpec
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
 from optax_muon._src.base import types
+from optax_muon._src.parallel import rates as rates_lib
 from optax_muon._src.views import layout
 
 MODES = typing.get_args(types.TensorParallelMode)
+# the modes that orthogonalize each whole matrix (blockwise does its shards)
+EXACT_MODES = ("duplicated", "distributed", "allgather")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +68,16 @@ class TensorParallel:
   Attributes:
     mesh: the mesh the params are sharded over.
     axis: the tensor-parallel mesh axis.
-    mode: ``"blockwise"``, ``"duplicated"``, ``"distributed"`` or
-      ``"allgather"`` (see the module docstring).
+    mode: ``"blockwise"``, ``"duplicated"``, ``"distributed"``,
+      ``"allgather"`` or ``"auto"`` (see the module docstring).
     specs: each param's ``PartitionSpec``: a tree like the params (a prefix
       allowed), a callable of the params (``flax.nnx.get_partition_spec``),
       or ``None`` to read each traced array's sharding (Explicit meshes).
     distribute_over: a data-parallel mesh axis to split the work over, or None.
+    auto_modes: the modes ``"auto"`` chooses among (default: the exact
+      ones; add ``"blockwise"`` to allow it).
+    rates: the ``DeviceRates`` of ``"auto"``'s cost model; ``None``: those of
+      the mesh's device kind (``om.KNOWN_RATES``).
     MODES: the accepted modes (a class attribute).
   """
 
@@ -76,6 +87,8 @@ class TensorParallel:
   mode: types.TensorParallelMode = "duplicated"
   specs: Any = None
   distribute_over: str | None = None
+  auto_modes: tuple[str, ...] = EXACT_MODES
+  rates: rates_lib.DeviceRates | None = None
 
   def __post_init__(self):
     if not isinstance(self.mesh, jax.sharding.Mesh):
@@ -97,6 +110,41 @@ class TensorParallel:
         f"axis other than {self.axis!r}; accepted values: "
         f"{[n for n in names if n != self.axis] + [None]}"
       )
+    self._check_auto()
+
+  def _check_auto(self) -> None:
+    choices = MODES[:-1]
+    if (
+      not isinstance(self.auto_modes, tuple)
+      or not any(m in EXACT_MODES for m in self.auto_modes)
+      or any(m not in choices for m in self.auto_modes)
+      or len(set(self.auto_modes)) != len(self.auto_modes)
+    ):
+      raise ValueError(
+        f"sharding.auto_modes={self.auto_modes!r} must be a tuple of distinct "
+        f"modes from {list(choices)} with at least one exact mode "
+        f"{list(EXACT_MODES)}"
+      )
+    if self.rates is not None and not isinstance(
+      self.rates, rates_lib.DeviceRates
+    ):
+      raise ValueError(
+        f"sharding.rates={self.rates!r} is not accepted; accepted values: "
+        "None (the mesh's device kind) or optax_muon.DeviceRates(...)"
+      )
+    if self.mode == "auto" and self.resolved_rates() is None:
+      kind = self.mesh.devices.flat[0].device_kind
+      raise ValueError(
+        f"sharding.mode='auto' models each mode's time at the device's "
+        f"rates, and device kind {kind!r} has none in om.KNOWN_RATES "
+        f"({list(rates_lib.KNOWN_RATES)}); pass "
+        "sharding.rates=om.DeviceRates(bf16_flops=..., high_flops=..., "
+        "highest_flops=..., link_bytes=...)"
+      )
+
+  def resolved_rates(self) -> rates_lib.DeviceRates | None:
+    """``rates``, or the known rates of the mesh's device kind (or None)."""
+    return self.rates or rates_lib.rates_of(self.mesh)
 
   @property
   def size(self) -> int:
@@ -193,6 +241,14 @@ def local_shape(shape, spec, tp: TensorParallel):
   return tuple(
     d // tp.size if tp.axis in axes else d for d, axes in zip(shape, spec)
   )
+
+
+def tp_dim_of(view: layout.MatrixView, spec, tp: TensorParallel) -> int | None:
+  """The matrix axis of a leaf split over the tensor-parallel axis, or None."""
+  dims = [
+    d for d in view.reduction_axes + view.output_axes if tp.axis in spec[d]
+  ]
+  return dims[0] if dims else None
 
 
 def mode_for(mode: str, view: layout.MatrixView, tp_dim) -> str:

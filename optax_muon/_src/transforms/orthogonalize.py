@@ -206,7 +206,7 @@ def orthogonalizer(
         sharding,
         sharding.leaf_specs(updates),
         solver,
-        budget,
+        memory_budget,  # None: auto's choice by time alone (parallel.cost)
         states,
         step,
       )

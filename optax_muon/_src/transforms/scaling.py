@@ -11,7 +11,9 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.parallel import cost
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
+from optax_muon._src.parallel import waves
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import scaling
 from optax_muon._src.views import layout
@@ -77,6 +79,10 @@ def scale_by_shape(
   split_qkv: types.PerLeaf = None,
   sharding: TensorParallel | None = None,
   split_gate_up: types.PerLeaf = None,
+  steps: types.Steps = 5,
+  precision: types.Precision = "highest",
+  preconditioning: types.Preconditioning = "frobenius",
+  memory_budget: int | None = None,
 ) -> optax.GradientTransformation:
   r"""Scales each matrix of the updates by ``scale_factor`` of its shape.
 
@@ -88,13 +94,18 @@ def scale_by_shape(
     dimension_numbers: as in ``orthogonalize``.
     split_qkv, split_gate_up: as in ``orthogonalize``.
     sharding: ``None`` or a ``TensorParallel``; its ``blockwise`` mode
-      scales by each shard's shape, the other modes by the global shape.
+      scales by each shard's shape, the other modes by the global shape;
+      ``"auto"`` by each shard's shape the leaves it runs ``blockwise``.
+    steps, precision, preconditioning, memory_budget: the orthogonalize's
+      (the chains pass them): read only by ``sharding.mode="auto"`` with
+      ``"blockwise"`` in its ``auto_modes``, whose choice depends on them.
 
   Returns:
     A stateless ``optax.GradientTransformation``.
   """
   _checks.check_choice("mode", mode, SCALE_MODES)
   sharding_lib.check_sharding(sharding)
+  waves.check_memory_budget(memory_budget)
   resolve_views = layout.view_resolver(
     dimension_numbers, split_qkv, split_gate_up
   )
@@ -119,13 +130,26 @@ def scale_by_shape(
     del params
     views = [view for _, _, view in resolve_views(updates)]
     local_views = views
-    if sharding is not None and sharding.mode == "blockwise":
+    if sharding is not None and "blockwise" in possible_modes(sharding):
       # blockwise orthogonalizes each shard alone: scale by the shard's shape
+      specs = sharding.leaf_specs(updates)
+      modes = cost.leaf_modes(
+        sharding,
+        views,
+        specs,
+        [jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(updates)],
+        steps,
+        precision,
+        preconditioning,
+        memory_budget,
+      )
       local_views = [
         sharding_lib.local_view(
           view, sharding_lib.local_shape(view.shape, spec, sharding)
         )
-        for view, spec in zip(views, sharding.leaf_specs(updates))
+        if mode == "blockwise"
+        else view
+        for view, spec, mode in zip(views, specs, modes)
       ]
     leaves = [
       scale_leaf(leaf, view, local)
@@ -134,6 +158,11 @@ def scale_by_shape(
     return jax.tree.unflatten(jax.tree.structure(updates), leaves), state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def possible_modes(sharding: TensorParallel) -> tuple[str, ...]:
+  """The modes ``sharding`` may run a sharded leaf in."""
+  return sharding.auto_modes if sharding.mode == "auto" else (sharding.mode,)
 
 
 _logger = logging.getLogger("optax_muon")

@@ -1,0 +1,445 @@
+"""``TensorParallel(mode="auto")``: each leaf routed to the mode of least
+modeled time, the model checked against the compiler's own counts, the
+memory budget, the spectral and blockwise cases, and bad settings."""
+
+import dataclasses
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_muon as om
+from conftest import ROOT
+from conftest import normal
+from optax_muon._src.parallel import cost
+from optax_muon._src.parallel import rates as rates_lib
+from optax_muon._src.parallel import waves
+from optax_muon._src.views import layout
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _hlo  # noqa: E402  (the benchmarks' HLO byte count)
+
+CPU = om.KNOWN_RATES["cpu"]
+# rates that make one side of the model dominate
+SLOW_LINK = dataclasses.replace(CPU, link_bytes=1.0, latency=0.0)
+SLOW_MATMUL = dataclasses.replace(
+  CPU, bf16_flops=1.0, high_flops=1.0, highest_flops=1.0, latency=0.0
+)
+
+
+def _mesh(shape=(8,)):
+  names = ("model",) if len(shape) == 1 else ("data", "model")
+  return jax.make_mesh(
+    shape, names, axis_types=(AxisType.Explicit,) * len(shape)
+  )
+
+
+def _tree():
+  keys = iter(jax.random.split(jax.random.key(0), 8))
+  draw = lambda shape: normal(next(keys), shape)
+  params = {
+    "square": draw((64, 64)),
+    "wide_out": draw((32, 128)),
+    "tall_in": draw((128, 32)),
+    "short_side": draw((128, 16)),
+    "stack": draw((16, 32, 64)),
+    "small_stack": draw((2, 32, 48)),
+    "replicated": draw((24, 40)),
+  }
+  specs = {
+    "square": P(None, "model"),
+    "wide_out": P(None, "model"),
+    "tall_in": P("model", None),
+    "short_side": P(None, "model"),
+    "stack": P(None, None, "model"),
+    "small_stack": P(None, "model", None),
+    "replicated": P(),
+  }
+  return params, specs
+
+
+def _put(tree, specs, mesh):
+  return jax.tree.map(
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
+  )
+
+
+def _update(mesh, params, sharding, **kwargs):
+  tx = om.scale_by_muon(
+    dimension_numbers="leading", sharding=sharding, **kwargs
+  )
+  with jax.set_mesh(mesh):
+    return jax.jit(tx.update)(params, tx.init(params), params)[0]
+
+
+def _choices(params, tp, steps=5, precision="highest", budget=None, **kw):
+  views = [v for _, _, v in layout.view_resolver("leading")(params)]
+  itemsizes = [x.dtype.itemsize for x in jax.tree.leaves(params)]
+  return cost.leaf_choices(
+    tp,
+    views,
+    tp.leaf_specs(params),
+    itemsizes,
+    steps,
+    precision,
+    kw.get("preconditioning", "frobenius"),
+    budget,
+  )
+
+
+@pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)])
+def test_auto_equals_each_leafs_chosen_mode(mesh_shape):
+  mesh = _mesh(mesh_shape)
+  params, specs = _tree()
+  sharded = _put(params, specs, mesh)
+  by_mode = {
+    mode: _update(mesh, sharded, om.TensorParallel(mesh, mode=mode))
+    for mode in ("duplicated", "distributed", "allgather")
+  }
+  chosen = set()
+  for rates in (CPU, SLOW_LINK, SLOW_MATMUL):
+    tp = om.TensorParallel(mesh, mode="auto", rates=rates)
+    modes = [c.mode for c in _choices(sharded, tp)]
+    chosen |= set(modes)
+    updates = _update(mesh, sharded, tp)
+    for name, mode in zip(sorted(updates), modes):
+      got = updates[name]
+      run_as = "duplicated" if mode == "blockwise" else mode  # not sharded
+      chex.assert_trees_all_close(got, by_mode[run_as][name], atol=1e-6)
+  # the rates moved the choice: the routing itself was exercised
+  assert {"duplicated", "distributed", "allgather"} <= chosen
+
+
+def test_a_leaf_not_split_over_the_tp_axis_runs_blockwise():
+  mesh = _mesh()
+  params, specs = _tree()
+  choices = _choices(
+    _put(params, specs, mesh), om.TensorParallel(mesh, mode="auto")
+  )
+  assert choices[sorted(params).index("replicated")].mode == "blockwise"
+
+
+@pytest.mark.parametrize(
+  "shape, spec",
+  [
+    ((256, 1024), P(None, "model")),
+    ((1024, 256), P("model", None)),
+    ((16, 256, 1024), P(None, None, "model")),
+  ],
+)
+def test_the_modeled_flops_and_bytes_are_the_compilers(shape, spec):
+  """One Newton–Schulz step (the loop's first step is outside the
+  ``fori_loop``, so the compiler's count is the whole step): the modeled
+  FLOPs within 5 % of ``cost_analysis()``; the modeled bytes are the ring's
+  share of the compiled collectives' results: ``(P−1)/P`` of a gather's or an
+  all-to-all's, ``2(P−1)/P`` of an all-reduce's."""
+  mesh = _mesh()
+  tree = {
+    "w": jax.ShapeDtypeStruct(
+      shape, jnp.float32, sharding=NamedSharding(mesh, spec)
+    )
+  }
+  view = layout.view_resolver("leading")(tree)[0][2]
+  auto = om.TensorParallel(mesh, mode="auto")
+  (leaf_spec,) = auto.leaf_specs(tree)
+  for mode in ("duplicated", "distributed", "allgather"):
+    tx = om.orthogonalize(
+      steps=1,
+      dimension_numbers="leading",
+      sharding=om.TensorParallel(mesh, mode=mode),
+    )
+    with jax.set_mesh(mesh):
+      compiled = (
+        jax.jit(lambda u: tx.update(u, tx.init(u))[0]).lower(tree).compile()
+      )
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    (modeled,) = cost.mode_costs(
+      view, leaf_spec, 4, auto, 1, "highest", modes=[mode]
+    )
+    assert modeled.flops == pytest.approx(analysis["flops"], rel=0.05), mode
+    results = _hlo.collective_bytes(compiled.as_text())
+    ring = 7 / 8
+    expected = ring * (
+      results["all-gather"] + results["all-to-all"] + 2 * results["all-reduce"]
+    )
+    # the normalization's two scalars per matrix are not modeled
+    assert modeled.bytes == pytest.approx(expected, rel=0.01), mode
+
+
+def test_the_choice_is_the_least_modeled_time():
+  mesh = _mesh()
+  params, specs = _tree()
+  sharded = _put(params, specs, mesh)
+  for rates in (CPU, SLOW_LINK, SLOW_MATMUL):
+    tp = om.TensorParallel(mesh, mode="auto", rates=rates)
+    for choice in _choices(sharded, tp):
+      fastest = min(choice.costs, key=lambda c: c.seconds)
+      assert choice.mode == fastest.runs
+  # a slow link: the fewest bytes; slow matmuls: the fewest FLOPs
+  names = sorted(params)
+  slow_link = _choices(
+    sharded, om.TensorParallel(mesh, mode="auto", rates=SLOW_LINK)
+  )
+  assert (
+    slow_link[names.index("stack")].mode == "allgather"
+  )  # 2/16 of the bytes
+  assert slow_link[names.index("square")].mode == "duplicated"  # no Gram
+  slow_matmul = _choices(
+    sharded, om.TensorParallel(mesh, mode="auto", rates=SLOW_MATMUL)
+  )
+  assert slow_matmul[names.index("square")].mode == "distributed"
+  assert slow_matmul[names.index("stack")].mode == "allgather"  # 2 of 16
+
+
+def test_a_leaf_takes_the_cheapest_mode_whose_piece_fits_the_budget():
+  mesh = _mesh()
+  tree = _put(
+    {"w": normal(jax.random.key(1), (256, 256))}, {"w": P(None, "model")}, mesh
+  )
+  tp = om.TensorParallel(
+    mesh, mode="auto", auto_modes=("duplicated", "distributed"), rates=SLOW_LINK
+  )
+  (free,) = _choices(tree, tp)
+  assert free.mode == "duplicated"  # the Gram all-reduces move 10x the bytes
+  pieces = {c.mode: c.piece_bytes for c in free.costs}
+  budget = (pieces["duplicated"] + pieces["distributed"]) // 2
+  assert pieces["distributed"] < budget < pieces["duplicated"]
+  (tight,) = _choices(tree, tp, budget=budget)
+  assert tight.mode == "distributed"
+  assert "memory budget" in tight.reason
+  updates = _update(mesh, tree, tp, memory_budget=budget)
+  expected = _update(mesh, tree, om.TensorParallel(mesh, mode="distributed"))
+  chex.assert_trees_all_close(updates, expected, atol=1e-6)
+
+
+def test_without_a_budget_given_time_alone_decides():
+  """The default budget orders the waves, as in every fixed mode (a matrix
+  whose work exceeds it runs alone); only a budget the user gives rules a
+  mode out. An 8192 x 32768 matrix: its whole Newton-Schulz exceeds 2 GiB,
+  a rank's columns of it do not."""
+  mesh = _mesh()
+  tree = {
+    "w": jax.ShapeDtypeStruct(
+      (8192, 32768),
+      jnp.float32,
+      sharding=NamedSharding(mesh, P(None, "model")),
+    )
+  }
+  tp = om.TensorParallel(mesh, mode="auto", rates=SLOW_LINK)
+  (free,) = _choices(tree, tp)
+  assert free.mode == "duplicated"  # the fewest bytes
+  pieces = {c.mode: c.piece_bytes for c in free.costs}
+  default = waves.DEFAULT_MEMORY_BUDGET
+  assert pieces["distributed"] < default < pieces["duplicated"]
+  (given,) = _choices(tree, tp, budget=default)
+  assert given.mode == "distributed"
+  assert "memory budget" in given.reason
+  # the transform decides as the model does: one gather, no Gram all-reduce
+  # (only the normalization's scalars)
+  for budget, gathers in ((None, True), (default, False)):
+    tx = om.orthogonalize(
+      dimension_numbers="leading", sharding=tp, memory_budget=budget
+    )
+    with jax.set_mesh(mesh):
+      hlo = (
+        jax.jit(lambda u, tx=tx: tx.update(u, tx.init(u))[0])
+        .lower(tree)
+        .compile()
+        .as_text()
+      )
+    moved = _hlo.collective_bytes(hlo)
+    assert (moved["all-gather"] > 0) == gathers, (budget, moved)
+    assert (moved["all-reduce"] > 1e6) == (not gathers), (budget, moved)
+
+
+def test_spectral_preconditioning_never_runs_distributed():
+  mesh = _mesh()
+  params, specs = _tree()
+  sharded = _put(params, specs, mesh)
+  tp = om.TensorParallel(mesh, mode="auto", rates=SLOW_MATMUL)
+  assert "distributed" in {c.mode for c in _choices(sharded, tp)}
+  spectral = _choices(sharded, tp, preconditioning="spectral")
+  assert "distributed" not in {c.mode for c in spectral}
+  updates = _update(mesh, sharded, tp, preconditioning="spectral")
+  assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+
+
+def test_auto_with_blockwise_allowed_scales_blockwise_leaves_by_their_shard():
+  """A slow link makes every sharded leaf blockwise (no bytes): the update
+  (the shape scale included) is ``mode="blockwise"``'s."""
+  mesh = _mesh()
+  params, specs = _tree()
+  sharded = _put(params, specs, mesh)
+  tp = om.TensorParallel(
+    mesh,
+    mode="auto",
+    auto_modes=("blockwise", "duplicated", "distributed", "allgather"),
+    rates=SLOW_LINK,
+  )
+  assert {c.mode for c in _choices(sharded, tp)} == {"blockwise"}
+  for scale_mode in ("shape_scaling", "spectral"):
+    got = _update(mesh, sharded, tp, scale_mode=scale_mode)
+    expected = _update(
+      mesh,
+      sharded,
+      om.TensorParallel(mesh, mode="blockwise"),
+      scale_mode=scale_mode,
+    )
+    chex.assert_trees_all_close(got, expected, atol=1e-6)
+  # the exact modes' own scale where the model picks one
+  exact = _update(
+    mesh, sharded, om.TensorParallel(mesh, mode="auto", rates=SLOW_LINK)
+  )
+  assert not np.allclose(
+    np.asarray(exact["square"]),
+    np.asarray(_update(mesh, sharded, tp)["square"]),
+    atol=1e-3,
+  )
+
+
+def test_describe_shows_each_leafs_mode_and_why():
+  mesh = _mesh()
+  params, specs = _tree()
+  sharded = _put(params, specs, mesh)
+  tp = om.TensorParallel(mesh, mode="auto", rates=SLOW_LINK)
+  table = om.describe(sharded, dimension_numbers="leading", sharding=tp)
+  lines = {line.split()[0]: line for line in table.splitlines()}
+  assert "tp mode" in lines["path"] and "why" in lines["path"]
+  assert " allgather " in lines["stack"]
+  assert "modeled allgather" in lines["stack"]  # the costs, cheapest first
+  assert "duplicated" in lines["square"] and "distributed" in lines["square"]
+  assert "not sharded over the TP axis" in lines["replicated"]
+  fixed = om.describe(
+    sharded,
+    dimension_numbers="leading",
+    sharding=om.TensorParallel(mesh, mode="distributed"),
+  )
+  fixed_lines = {line.split()[0]: line for line in fixed.splitlines()}
+  # a short sharded side gathers (mode_for), as the update does
+  assert " duplicated " in fixed_lines["short_side"]
+  assert " distributed " in fixed_lines["square"]
+
+
+def test_muon_config_and_nnx_take_auto():
+  from flax import nnx
+
+  mesh = jax.make_mesh(
+    (2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2
+  )
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      init = nnx.with_partitioning(
+        nnx.initializers.lecun_normal(), (None, "model")
+      )
+      self.up = nnx.Linear(16, 64, kernel_init=init, use_bias=False, rngs=rngs)
+      self.down = nnx.Linear(
+        64,
+        16,
+        kernel_init=nnx.with_partitioning(
+          nnx.initializers.lecun_normal(), ("model", None)
+        ),
+        use_bias=False,
+        rngs=rngs,
+      )
+
+    def __call__(self, x):
+      return self.down(jax.nn.relu(self.up(x)))
+
+  with jax.set_mesh(mesh):
+    model = Model(nnx.Rngs(0))
+    specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+    tx = om.MuonConfig(muon_tp_mode="auto").build(0.02, mesh=mesh, specs=specs)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    x = normal(jax.random.key(0), (32, 16))
+
+    @nnx.jit
+    def step(model, optimizer):
+      loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - x) ** 2))(
+        model
+      )
+      optimizer.update(model, grads)
+      return loss
+
+    losses = [float(step(model, optimizer)) for _ in range(3)]
+  assert losses[2] < losses[0]
+
+
+def test_bad_auto_settings_raise(monkeypatch):
+  mesh = _mesh()
+  for modes in (
+    ("blockwise",),
+    ("auto",),
+    ["duplicated"],
+    ("duplicated", "duplicated"),
+    ("gathered",),
+  ):
+    with pytest.raises(ValueError, match="sharding.auto_modes"):
+      om.TensorParallel(mesh, mode="auto", auto_modes=modes)
+  with pytest.raises(ValueError, match="sharding.rates"):
+    om.TensorParallel(mesh, mode="auto", rates="h100")
+  with pytest.raises(ValueError, match="DeviceRates.link_bytes"):
+    om.DeviceRates(1e12, 1e12, 1e12, 0)
+  with pytest.raises(ValueError, match="DeviceRates.latency"):
+    om.DeviceRates(1e12, 1e12, 1e12, 1e9, latency=-1.0)
+  monkeypatch.setattr(rates_lib, "KNOWN_RATES", {})
+  with pytest.raises(ValueError, match="sharding.rates=om.DeviceRates"):
+    om.TensorParallel(mesh, mode="auto")
+  # a fixed mode needs no rates; given ones are taken
+  om.TensorParallel(mesh, mode="duplicated")
+  assert om.TensorParallel(mesh, mode="auto", rates=CPU).resolved_rates() is CPU
+
+
+def test_the_known_parts_rates_match_their_device_kinds():
+  mesh = _mesh()
+  assert rates_lib.rates_of(mesh) is om.KNOWN_RATES["cpu"]
+  h100 = om.KNOWN_RATES["NVIDIA H100"]
+  # 989 TFLOP/s bf16 dense, NVLink 4 at 900 GB/s both ways
+  assert (h100.bf16_flops, h100.link_bytes) == (989e12, 450e9)
+  v5p = om.KNOWN_RATES["TPU v5"]  # the device_kind of a v5p chip
+  assert v5p.name == "TPU v5p" and v5p.link_bytes == 300e9
+  assert v5p.matmul_flops("highest") == pytest.approx(v5p.bf16_flops / 6)
+
+
+@pytest.mark.parametrize(
+  "rates",
+  [CPU, SLOW_LINK, SLOW_MATMUL],
+  ids=["cpu", "slow-link", "slow-matmul"],
+)
+def test_the_compiled_collectives_are_the_chosen_modes(rates):
+  """The bytes the compiled ``auto`` program moves are the sum of its leaves'
+  chosen modes' modeled bytes (each mode's bytes are the compiler's:
+  ``test_the_modeled_flops_and_bytes_are_the_compilers``)."""
+  mesh = _mesh()
+  params, specs = _tree()
+  sharded = _put(params, specs, mesh)
+  tp = om.TensorParallel(mesh, mode="auto", rates=rates)
+  choices = _choices(sharded, tp)
+  modeled = sum(
+    next(c for c in choice.costs if c.runs == choice.mode).bytes
+    for choice in choices
+  )
+  tx = om.orthogonalize(dimension_numbers="leading", sharding=tp)
+  with jax.set_mesh(mesh):
+    hlo = (
+      jax.jit(lambda u: tx.update(u, tx.init(u))[0])
+      .lower(sharded)
+      .compile()
+      .as_text()
+    )
+  results = _hlo.collective_bytes(hlo)
+  moved = (
+    7
+    / 8
+    * (
+      results["all-gather"] + results["all-to-all"] + 2 * results["all-reduce"]
+    )
+  )
+  assert moved == pytest.approx(modeled, rel=0.02)
