@@ -82,6 +82,9 @@ import optax  # noqa: E402
 from _hlo import collective_bytes  # noqa: E402
 from _hlo import host_bytes  # noqa: E402
 from _timing import emit  # noqa: E402
+from _update_time import formula  # noqa: E402
+from _update_time import modeled_ms  # noqa: E402
+from _update_time import rates_of  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -210,7 +213,15 @@ def block_size(flat, mesh) -> int:
   return math.gcd(256, *widths)
 
 
-def optimizers(flat, mesh, modes, budget, momentum="param", offload=False):
+def optimizers(
+  flat,
+  mesh,
+  modes,
+  budget,
+  momentum="param",
+  offload=False,
+  precision="highest",
+):
   labels = nest({k: label for k, (_, label, _) in flat.items()})
   specs = nest({k: P(*spec) for k, (_, _, spec) in flat.items()})
   dims = nest(
@@ -224,6 +235,7 @@ def optimizers(flat, mesh, modes, budget, momentum="param", offload=False):
     }
   )
   extra = {} if budget is None else {"memory_budget": budget}
+  extra["precision"] = precision
   extra["mu_dtype"] = {
     "param": None,
     "fp32": "float32",
@@ -318,6 +330,10 @@ def measure(tx, params, name, offload=False):
     )
     return record
   record["compile_s"] = time.perf_counter() - start
+  analysis = compiled.cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, list) else analysis
+  if analysis and "flops" in analysis:  # a loop's body counted once
+    record["cost_analysis_tflop"] = analysis["flops"] / 1e12
   memory = compiled.memory_analysis()
   for key in (
     "argument",
@@ -354,6 +370,16 @@ NOT_COUNTED = (
   "optimizer's share fits a part, not the training step. Parts: "
   + ", ".join(f"{part[:-2]} GB = {g:.1f} GiB" for part, g in PARTS_GIB.items())
   + "."
+)
+
+
+MODELED = (
+  "modeled ms is a model, not a measurement: the Newton-Schulz FLOPs by "
+  "formula (5 steps of every matrix) at the part's peak matmul rate for "
+  "--precision, plus the compiled collectives' bytes as a ring moves them at "
+  "its link's peak bandwidth (om.KNOWN_RATES), nothing overlapped. "
+  "cost_analysis counts a loop's body once (the step and wave loops), so it "
+  "is a floor. auto: each leaf's mode of least modeled time."
 )
 
 
@@ -403,6 +429,12 @@ def gib(x: float) -> str:
   return f"{x:.2f}" if x >= 10 else f"{x:.3g}"
 
 
+def _flops_cell(r: dict) -> str:
+  formula_tflop = f"{r['ns_tflop']:.3g}" if "ns_tflop" in r else "—"
+  compiled = r.get("cost_analysis_tflop")
+  return f"{formula_tflop} / {'—' if compiled is None else f'{compiled:.3g}'}"
+
+
 def table(records: dict) -> str:
   """The records as an aligned table (GiB per device), then what is and is
   not counted."""
@@ -413,6 +445,8 @@ def table(records: dict) -> str:
     "total",
     f"fits 80 GB ({PARTS_GIB['80GB']:.1f} GiB)",
     "collectives (GiB, by kind)",
+    "NS TFLOP formula / cost_analysis",
+    "modeled ms",
     "compile s",
   )
   rows = [header]
@@ -420,7 +454,7 @@ def table(records: dict) -> str:
     if not r["compiled"]:  # the compiler's refusal, as the JSON's error
       why = "does not fit" if r["resource_exhausted"] else r["error"][:60]
       rows.append(
-        (name, gib(r["pgs_gib"]), "—", "—", "no", f"refused: {why}", "")
+        (name, gib(r["pgs_gib"]), "—", "—", "no", f"refused: {why}", "", "", "")
       )
       continue
     kinds = ", ".join(
@@ -435,6 +469,8 @@ def table(records: dict) -> str:
         gib(r["resident_gib"]),
         "yes" if r["fits"]["80GB"] else "no",
         kinds or "none",
+        _flops_cell(r),
+        f"{r['modeled_ms']:.1f}" if "modeled_ms" in r else "—",
         f"{r['compile_s']:.1f}",
       )
     )
@@ -443,7 +479,31 @@ def table(records: dict) -> str:
     "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
     for row in rows
   ]
-  return "\n".join(lines + ["", textwrap.fill(NOT_COUNTED, 79)])
+  return "\n".join(
+    lines + ["", textwrap.fill(NOT_COUNTED, 79), "", textwrap.fill(MODELED, 79)]
+  )
+
+
+def add_modeled_time(record: dict, flat, mesh, args) -> None:
+  """The cost model's figures for an om.muon mode (``unsharded``: the whole
+  matrices on one device), and the modeled ms at the target's rates."""
+  mode = {"unsharded": "blockwise"}.get(record["mode"], record["mode"])
+  rates = rates_of(mesh)
+  if mode not in om.TensorParallel.MODES or rates is None:
+    return
+  itemsize = jnp.dtype(DTYPES[args.dtype]).itemsize
+  model = formula(
+    flat, mesh, mode, itemsize, args.precision, args.memory_budget
+  )
+  record.update(model, rates=rates.name)
+  if record.get("compiled"):
+    record["modeled_ms"] = modeled_ms(
+      model["ns_tflop"],
+      record["collective_gib"],
+      rates,
+      args.precision,
+      mesh.shape["model"],
+    )
 
 
 def main(argv=None):
@@ -507,6 +567,12 @@ def main(argv=None):
     help="the optimizer state in pinned host memory (state_memory_kind)",
   )
   parser.add_argument(
+    "--precision",
+    default="highest",
+    choices=["highest", "high", "medium", "fp16", "bf16"],
+    help="Newton-Schulz precision (default: om.muon's, highest)",
+  )
+  parser.add_argument(
     "--quick",
     action="store_true",
     help="the tiny model (on the --target given)",
@@ -542,7 +608,13 @@ def main(argv=None):
   if args.momentum != "param" or args.offload:  # options of om.muon only
     modes = [m for m in modes if m != "optax.contrib.muon"]
   built = optimizers(
-    flat, mesh, modes, args.memory_budget, args.momentum, args.offload
+    flat,
+    mesh,
+    modes,
+    args.memory_budget,
+    args.momentum,
+    args.offload,
+    args.precision,
   )
   depth = MODELS[args.model][5] if args.model in MODELS else None
   for name, tx in built.items():
@@ -558,8 +630,10 @@ def main(argv=None):
       "momentum": args.momentum,
       "offload": args.offload,
       "mode": name,
+      "precision": args.precision,
       **measure(tx, params, name, args.offload),
     }
+    add_modeled_time(record, flat, mesh, args)
     records[name] = record
   base = records.get("duplicated", {}).get("collective_total_gib")
   for record in records.values():

@@ -244,6 +244,7 @@ def test_at_scale_compiles_every_mode_on_abstract_shapes():
     "duplicated",
     "distributed",
     "allgather",
+    "auto",
     "optax.contrib.muon",
   }
   for record in records.values():
@@ -259,3 +260,26 @@ def test_at_scale_compiles_every_mode_on_abstract_shapes():
   assert records["allgather"]["collective_total_gib"] / gathers == (
     pytest.approx(0.25)
   )
+
+
+def test_at_scale_auto_models_no_more_time_than_the_best_exact_mode():
+  """``auto`` picks each leaf's mode of least modeled time: summed over the
+  tree, never more than the best single exact mode, by the formula and with
+  the compiled program's bytes."""
+  exact = ("duplicated", "distributed", "allgather")
+  stdout = _run(
+    "at_scale.py",
+    "--quick",
+    "--stacked",
+    "--modes",
+    ",".join((*exact, "auto")),
+    "--json",
+  )
+  records = {r["mode"]: r for r in (json.loads(l) for l in stdout.splitlines())}
+  auto = records["auto"]
+  for key in ("model_ms", "modeled_ms"):
+    best = min(records[m][key] for m in exact)
+    assert auto[key] <= best * (1 + 1e-9), (key, auto[key], best)
+  muon_leaves = 7  # q, k, v, o, gate, up, down: one stacked leaf each
+  assert sum(auto["auto_chose"].values()) == muon_leaves
+  assert all(records[m]["auto_chose"] is None for m in exact)

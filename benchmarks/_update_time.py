@@ -1,0 +1,93 @@
+"""The modeled time of one Muon update per tensor-parallel mode (at_scale.py):
+the Newton–Schulz FLOPs by formula and as the compiler counts them, the
+collectives' bytes, and the time at the target's rates (``om.KNOWN_RATES``).
+
+It is a model, not a measurement: FLOPs at the part's peak matmul rate and
+bytes at its link's peak bandwidth, nothing overlapped. ``cost_analysis()``
+counts a loop's body once (XLA's HLO cost analysis does not multiply by the
+trip count), so for Newton–Schulz's step loop and the memory budget's wave
+loops it is a floor; the formula counts every step of every matrix.
+"""
+
+import jax
+import optax
+from jax.sharding import PartitionSpec as P
+
+import optax_muon as om
+from optax_muon._src.parallel import cost
+from optax_muon._src.parallel.rates import rates_of  # noqa: F401 (re-exported)
+from optax_muon._src.views import layout
+
+STEPS = 5  # om.muon's default
+
+
+def muon_leaves(flat: dict, mesh):
+  """The Muon leaves of an at_scale tree as the cost model sees them:
+  ``(views, specs, tp)``, ``tp`` a ``TensorParallel(mode="auto")``."""
+  muon = {k: v for k, v in flat.items() if v[1] == "muon"}
+  tree = {
+    k: jax.ShapeDtypeStruct(shape, "float32")
+    for k, (shape, _, _) in muon.items()
+  }
+  specs = {k: P(*spec) for k, (_, _, spec) in muon.items()}
+  dims = {
+    k: optax.contrib.MuonDimensionNumbers(len(shape) - 2, len(shape) - 1)
+    for k, (shape, _, _) in muon.items()
+  }
+  tp = om.TensorParallel(mesh, "model", "auto", specs=specs)
+  views = [v for _, _, v in layout.view_resolver(dims)(tree)]
+  return views, tp.leaf_specs(tree), tp
+
+
+def formula(flat, mesh, mode, itemsize, precision, budget=None) -> dict:
+  """The cost model summed over the Muon leaves for ``mode`` (``auto``: each
+  leaf's choice): Newton–Schulz TFLOP, link GiB and modeled ms per device,
+  and for ``auto`` how many leaves took each mode."""
+  views, specs, tp = muon_leaves(flat, mesh)
+  itemsizes = [itemsize] * len(views)
+  chosen = None
+  if mode == "auto":
+    choices = cost.leaf_choices(
+      tp,
+      views,
+      specs,
+      itemsizes,
+      STEPS,
+      precision,
+      "frobenius",
+      budget,
+    )
+    costs = [
+      next(c for c in choice.costs if c.runs == choice.mode)
+      for choice in choices
+    ]
+    chosen = {}
+    for choice in choices:
+      chosen[choice.mode] = chosen.get(choice.mode, 0) + 1
+  else:
+    groups = cost.group_items(views, specs, itemsizes, tp)
+    costs = [
+      cost.mode_costs(v, s, itemsize, tp, STEPS, precision, g, [mode])[0]
+      for v, s, g in zip(views, specs, groups)
+    ]
+  return {
+    "ns_tflop": sum(c.flops for c in costs) / 1e12,
+    "link_gib": sum(c.bytes for c in costs) / 2**30,
+    "model_ms": sum(c.seconds for c in costs) * 1e3,
+    "auto_chose": chosen,
+  }
+
+
+def modeled_ms(
+  ns_tflop, collective_gib: dict, rates, precision, ranks
+) -> float:
+  """Milliseconds: ``ns_tflop`` at the matmul rate plus the compiled
+  collectives' bytes as a ring moves them (``(P−1)/P`` of a gather's or an
+  all-to-all's result, twice that of an all-reduce's) at the link's."""
+  ring = (ranks - 1) / ranks
+  moved = ring * sum(
+    gib * (2 if kind == "all-reduce" else 1)
+    for kind, gib in collective_gib.items()
+  )
+  seconds = ns_tflop * 1e12 / rates.matmul_flops(precision)
+  return (seconds + moved * 2**30 / rates.link_bytes) * 1e3
