@@ -311,3 +311,30 @@ def test_the_state_table_is_the_recorded_compile():
   refused = [r for r in runs if r["dtype"] == "fp32" and not r["offload"]]
   assert refused and not refused[0]["compiled"]
   assert refused[0]["resource_exhausted"]
+
+
+def test_the_modeled_time_table_is_the_recorded_compile():
+  """docs/scaling.md's modeled ms per mode, against the compiles
+  `benchmarks/at_scale.py` wrote; auto never models more than the best
+  exact mode."""
+  modes = ("blockwise", "duplicated", "distributed", "allgather", "auto")
+  page = (ROOT / "docs" / "scaling.md").read_text()
+  for target, name in (("H100-8", "h100_8"), ("v5p-8", "tpu_v5p_8")):
+    path = ROOT / "results" / "at_scale" / f"modeled_{name}.jsonl"
+    runs = [json.loads(line) for line in path.read_text().splitlines()]
+    for model in ("8b", "70b"):
+      for precision in ("medium", "highest"):
+        label = f"| {target}, {model}, `{precision}`: modeled ms |"
+        lines = [l for l in page.splitlines() if l.startswith(label)]
+        by_mode = {
+          r["mode"]: r
+          for r in runs
+          if r["model"] == f"llama3-{model}" and r["precision"] == precision
+        }
+        assert bool(lines) == bool(by_mode), label
+        if not lines:
+          continue
+        cells = [c.strip() for c in lines[0].strip("|").split("|")][1:]
+        assert cells == [f"{by_mode[m]['modeled_ms']:,.0f}" for m in modes]
+        exact = min(by_mode[m]["modeled_ms"] for m in modes[1:4])
+        assert by_mode["auto"]["modeled_ms"] <= exact * (1 + 1e-9), label
