@@ -115,6 +115,18 @@ def _join_free(x: jax.Array, free: int, pieces: int) -> jax.Array:
   return x.transpose(0, 2, 1, 3).reshape(n // pieces, a, pieces * b)
 
 
+def _tiled_all_to_all(x, axis_name, split_axis: int, concat_axis: int):
+  """``jax.lax.all_to_all(x, axis_name, split_axis, concat_axis,
+  tiled=True)`` as an exchange along a leading axis of the ranks: XLA's CPU
+  compiler rejects the tiled form when one all-to-all moves blocks of
+  differently laid out stacks (an MLP's up and down kernels under FSDP
+  on a (4, 2) mesh: "operands with different shapes")."""
+  ranks = jax.lax.axis_size(axis_name)
+  chunks = jnp.stack(jnp.split(x, ranks, axis=split_axis))
+  received = jax.lax.all_to_all(chunks, axis_name, 0, 0)
+  return jnp.concatenate(list(received), axis=concat_axis)
+
+
 def _shards_to_whole(stack: jax.Array, axis_name, tp_dim: int) -> jax.Array:
   """A stack ``(P, r, c)`` of local shards, split along ``tp_dim`` (1 or 2)
   over the ``P`` ranks' matrices, re-laid out so that each rank holds its
@@ -122,8 +134,8 @@ def _shards_to_whole(stack: jax.Array, axis_name, tp_dim: int) -> jax.Array:
   ranks = jax.lax.axis_size(axis_name)
   free = 3 - tp_dim
   pieces = _pieces(stack.shape[0], ranks, stack.shape[free])
-  whole = jax.lax.all_to_all(
-    _split_free(stack, free, pieces), axis_name, 0, tp_dim, tiled=True
+  whole = _tiled_all_to_all(
+    _split_free(stack, free, pieces), axis_name, 0, tp_dim
   )
   return _join_free(whole, free, pieces)
 
@@ -133,8 +145,8 @@ def _whole_to_shards(whole: jax.Array, axis_name, tp_dim: int) -> jax.Array:
   ranks = jax.lax.axis_size(axis_name)
   free = 3 - tp_dim
   pieces = _pieces(whole.shape[0] * ranks, ranks, whole.shape[free])
-  shards = jax.lax.all_to_all(
-    _split_free(whole, free, pieces), axis_name, tp_dim, 0, tiled=True
+  shards = _tiled_all_to_all(
+    _split_free(whole, free, pieces), axis_name, tp_dim, 0
   )
   return _join_free(shards, free, pieces)
 

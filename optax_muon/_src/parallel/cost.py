@@ -29,12 +29,12 @@ kernel efficiency).
 """
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 from optax_muon._src.parallel import allgather
 from optax_muon._src.parallel import waves
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
+from optax_muon._src.parallel.tensor_parallel import local_count
 from optax_muon._src.parallel.tensor_parallel import local_shape
 from optax_muon._src.parallel.tensor_parallel import local_view
 from optax_muon._src.parallel.tensor_parallel import mode_for
@@ -90,14 +90,6 @@ def newton_schulz_flops(m: int, n: int, steps: int) -> float:
   return steps * (4.0 * m * m * n + 2.0 * m**3)
 
 
-def _local_count(view: layout.MatrixView, spec, tp: TensorParallel) -> int:
-  """Matrices per device: batch axes sharded over the mesh divide them."""
-  return math.prod(
-    view.shape[a] // math.prod(tp.mesh.shape[n] for n in spec[a])
-    for a in view.batch_axes
-  )
-
-
 def _group_key(view: layout.MatrixView, spec, itemsize: int, tp):
   """Leaves ``allgather`` stacks together: one piece of the same shape once
   turned wide, sharded on the same side (``allgather.WideMember.key``)."""
@@ -142,7 +134,7 @@ def mode_costs(
   flop_rate = rates.matmul_flops(precision)
   ranks = tp.size
   tp_dim = tp_dim_of(view, spec, tp)
-  count = _local_count(view, spec, tp)
+  count = local_count(view, spec, tp)
   data = tp.distribute_over
   replicated = data is not None and not any(
     data in spec[a] for a in view.batch_axes
@@ -241,7 +233,7 @@ def group_items(views, specs, itemsizes, tp) -> list[int | None]:
   items: dict = {}
   for key, view, spec in zip(keys, views, specs):
     if key is not None:
-      items[key] = items.get(key, 0) + _local_count(view, spec, tp)
+      items[key] = items.get(key, 0) + local_count(view, spec, tp)
   return [None if key is None else items[key] for key in keys]
 
 

@@ -2,8 +2,11 @@
 ``jax.shard_map`` with its parameter's ``PartitionSpec`` and leaves with it.
 
 Inside, matrix axes sharded over mesh axes other than the tensor-parallel
-one (FSDP over ``data``) are gathered first and re-split last; batch axes
-(stacked layers, experts) stay sharded. Each leaf then goes to the planner of
+one (FSDP over ``data``) are made whole first and re-split last
+(``tensor_parallel.fsdp_moves``): a stack (scanned layers, experts) by one
+all-to-all that gives each rank of that axis whole matrices of its share of
+the stack, so no two of them orthogonalize the same matrix; a leaf without
+a batch axis to share by an all-gather. Sharded batch axes stay sharded. Each leaf then goes to the planner of
 its mode (``tensor_parallel.mode_for``: ``blockwise``, ``duplicated``,
 ``distributed`` or ``allgather``, one module each), which returns the
 leaf's tasks, and the tasks of all leaves run in waves within the memory
@@ -23,8 +26,10 @@ from optax_muon._src.parallel import cost
 from optax_muon._src.parallel import distributed
 from optax_muon._src.parallel import duplicated
 from optax_muon._src.parallel import waves
+from optax_muon._src.parallel.tensor_parallel import FsdpMove
 from optax_muon._src.parallel.tensor_parallel import Leaf
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
+from optax_muon._src.parallel.tensor_parallel import fsdp_moves
 from optax_muon._src.parallel.tensor_parallel import mode_for
 from optax_muon._src.parallel.tensor_parallel import own_chunk
 from optax_muon._src.parallel.tensor_parallel import tp_dim_of
@@ -37,21 +42,25 @@ PLANNERS = {
 }
 
 
-def _gather_other_axes(x, view, spec, tp: TensorParallel):
-  """``x`` with its matrix axes gathered over every mesh axis but the
-  tensor-parallel one, and the ``(axis name, dim)`` pairs gathered."""
-  gathered = []
-  for dim in view.reduction_axes + view.output_axes:
-    for name in spec[dim]:
-      if name != tp.axis:
-        if len(spec[dim]) > 1:
-          raise ValueError(
-            f"a matrix axis sharded over {spec[dim]} together is not "
-            "supported; shard it over the tensor-parallel axis alone"
-          )
-        x = jax.lax.all_gather(x, name, axis=dim, tiled=True)
-        gathered.append((name, dim))
-  return x, tuple(gathered)
+def _make_whole(x, moves: list[FsdpMove]):
+  """``x`` with its matrix axes whole over every mesh axis but the
+  tensor-parallel one: an all-to-all onto a home, else an all-gather."""
+  for move in moves:
+    if move.home is None:
+      x = jax.lax.all_gather(x, move.name, axis=move.dim, tiled=True)
+    else:
+      x = jax.lax.all_to_all(x, move.name, move.home, move.dim, tiled=True)
+  return x
+
+
+def _give_back(x, moves: list[FsdpMove]):
+  """``_make_whole`` undone: each rank's own block of the result."""
+  for move in reversed(moves):
+    if move.home is None:
+      x = own_chunk(x, move.name, move.dim)
+    else:
+      x = jax.lax.all_to_all(x, move.name, move.dim, move.home, tiled=True)
+  return x
 
 
 def orthogonalize_sharded(
@@ -122,26 +131,25 @@ def orthogonalize_sharded(
     finish_states = {}
     by_mode: dict[str, list[Leaf]] = {mode: [] for mode in PLANNERS}
     for index, (x, view, spec) in enumerate(zip(local_leaves, views, specs)):
-      x, gathered = _gather_other_axes(x, view, spec, tp)
-      own_states[index] = [
-        _gather_other_axes(a, view, spec, tp)[0] for a in own_states[index]
-      ]
+      moves = fsdp_moves(view, spec, tp)
+      x = _make_whole(x, moves)
+      own_states[index] = [_make_whole(a, moves) for a in own_states[index]]
 
-      def finish_state(arrays, gathered=gathered, index=index):
-        for name, dim in reversed(gathered):
-          arrays = [own_chunk(a, name, dim) for a in arrays]
-        new_states[index] = arrays
+      def finish_state(arrays, moves=moves, index=index):
+        new_states[index] = [_give_back(a, moves) for a in arrays]
 
       finish_states[id(x)] = (index, finish_state)
       tp_dim = tp_dim_of(view, spec, tp)
 
-      def finish(out, gathered=gathered, index=index):
-        for name, dim in reversed(gathered):
-          out = own_chunk(out, name, dim)
-        results[index] = out
+      def finish(out, moves=moves, index=index):
+        results[index] = _give_back(out, moves)
 
+      # a stack shared out over distribute_over (sharded, or homed there)
+      # is split already: only a replicated one splits again
       replicated = not any(
         tp.distribute_over in spec[d] for d in view.batch_axes
+      ) and not any(
+        m.home is not None and m.name == tp.distribute_over for m in moves
       )
       leaf = Leaf(x, view, tp_dim, finish, replicated)
       by_mode[mode_for(modes[index], view, tp_dim)].append(leaf)

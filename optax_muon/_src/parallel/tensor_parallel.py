@@ -251,6 +251,71 @@ def tp_dim_of(view: layout.MatrixView, spec, tp: TensorParallel) -> int | None:
   return dims[0] if dims else None
 
 
+@dataclasses.dataclass(frozen=True)
+class FsdpMove:
+  """How a matrix axis sharded over a mesh axis other than the
+  tensor-parallel one (FSDP) is made whole for Newton–Schulz.
+
+  With a ``home`` (a batch axis: the layers of a scanned stack, the experts)
+  one all-to-all over ``name`` trades the matrix axis's split for a split of
+  the batch axis, so each rank of ``name`` holds whole matrices of 1/N of
+  the stack, orthogonalizes only those, and a second all-to-all hands the
+  results back: the bytes of the shard twice, not N−1 times, and 1/N of the
+  work. Without one (no batch axis whose local size ``name`` divides) the
+  axis is all-gathered and every rank of ``name`` repeats the work.
+
+  Attributes:
+    name: the mesh axis.
+    dim: the matrix axis split over it.
+    home: the batch axis the all-to-all splits instead, or None.
+  """
+
+  name: str
+  dim: int
+  home: int | None
+
+
+def fsdp_moves(view: layout.MatrixView, spec, tp: TensorParallel) -> list:
+  """Each ``FsdpMove`` of a leaf (global ``view``, normalized ``spec``), in
+  the order they apply; a home goes to the longest batch axis whose local
+  size the mesh axis divides."""
+  local = [
+    size // math.prod(tp.mesh.shape[n] for n in names)
+    for size, names in zip(view.shape, spec)
+  ]
+  moves = []
+  for dim in view.reduction_axes + view.output_axes:
+    for name in spec[dim]:
+      if name == tp.axis:
+        continue
+      if len(spec[dim]) > 1:
+        raise ValueError(
+          f"a matrix axis sharded over {spec[dim]} together is not "
+          "supported; shard it over the tensor-parallel axis alone"
+        )
+      size = tp.mesh.shape[name]
+      homes = [b for b in view.batch_axes if local[b] % size == 0]
+      home = max(homes, key=lambda b: local[b]) if homes else None
+      if home is not None:
+        local[home] //= size
+      moves.append(FsdpMove(name, dim, home))
+  return moves
+
+
+def local_count(view: layout.MatrixView, spec, tp: TensorParallel) -> int:
+  """The matrices of a leaf one device orthogonalizes: its batch axes'
+  local sizes, less the stack members homed on other ranks
+  (``fsdp_moves``)."""
+  count = math.prod(
+    view.shape[a] // math.prod(tp.mesh.shape[n] for n in spec[a])
+    for a in view.batch_axes
+  )
+  for move in fsdp_moves(view, spec, tp):
+    if move.home is not None:
+      count //= tp.mesh.shape[move.name]
+  return count
+
+
 def mode_for(mode: str, view: layout.MatrixView, tp_dim) -> str:
   """The mode a leaf runs in: ``blockwise`` when it is not sharded over the
   tensor-parallel axis; split QKV / gate-up pieces are gathered per leaf

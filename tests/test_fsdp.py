@@ -1,0 +1,143 @@
+"""FSDP × TP: a stack whose matrix axis is sharded over ``data`` as well as
+the tensor-parallel axis gives each data rank whole matrices of its share
+of the stack (one all-to-all), so no two data ranks orthogonalize the same
+matrix; the update equals the unsharded one."""
+
+import sys
+
+import chex
+import jax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_muon as om
+from conftest import ROOT
+from conftest import normal
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _hlo  # noqa: E402  (the benchmarks' HLO byte count)
+
+EXACT = ("duplicated", "distributed", "allgather")
+
+
+def _mesh(shape):
+  return jax.make_mesh(
+    shape, ("data", "model"), axis_types=(AxisType.Explicit,) * 2
+  )
+
+
+def _tree():
+  keys = iter(jax.random.split(jax.random.key(3), 8))
+  draw = lambda shape: normal(next(keys), shape)
+  params = {
+    "up": draw((8, 32, 64)),  # column-parallel, FSDP on its input axis
+    "down": draw((8, 64, 32)),  # row-parallel, FSDP on its output axis
+    "layers_fsdp": draw((8, 32, 64)),  # FSDP on the layer axis
+    "per_layer": draw((32, 64)),  # no stack: gathered over data
+    "experts": draw((2, 4, 32, 64)),  # layers x experts
+  }
+  specs = {
+    "up": P(None, "data", "model"),
+    "down": P(None, "model", "data"),
+    "layers_fsdp": P("data", None, "model"),
+    "per_layer": P("data", "model"),
+    "experts": P(None, None, "data", "model"),
+  }
+  return params, specs
+
+
+def _put(tree, specs, mesh):
+  return jax.tree.map(
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
+  )
+
+
+def _update(tx, params, mesh):
+  with jax.set_mesh(mesh):
+    return jax.jit(tx.update)(params, tx.init(params), params)[0]
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("distribute_over", [None, "data"])
+@pytest.mark.parametrize("mode", EXACT)
+def test_fsdp_stacks_equal_the_unsharded_update(
+  mesh_shape, distribute_over, mode
+):
+  mesh = _mesh(mesh_shape)
+  params, specs = _tree()
+  reference = om.scale_by_muon(dimension_numbers="leading")
+  expected = reference.update(params, reference.init(params))[0]
+  tp = om.TensorParallel(mesh, mode=mode, distribute_over=distribute_over)
+  tx = om.scale_by_muon(dimension_numbers="leading", sharding=tp)
+  got = _update(tx, _put(params, specs, mesh), mesh)
+  chex.assert_trees_all_close(got, expected, atol=1e-5)
+  for name, spec in specs.items():
+    assert got[name].sharding.spec == spec, name
+
+
+def test_blockwise_under_fsdp_is_blockwise_over_the_tp_axis_alone():
+  mesh = _mesh((2, 4))
+  params, specs = _tree()
+  tx = om.scale_by_muon(
+    dimension_numbers="leading",
+    sharding=om.TensorParallel(mesh, mode="blockwise"),
+  )
+  got = _update(tx, _put(params, specs, mesh), mesh)
+  tp_only = jax.tree.map(
+    lambda s: P(*[None if a == "data" else a for a in s]), specs
+  )
+  expected = _update(tx, _put(params, tp_only, mesh), mesh)
+  chex.assert_trees_all_close(got, expected, atol=1e-5)
+
+
+def _compiled(tree, spec, mesh, mode, distribute_over=None):
+  struct = {
+    "w": jax.ShapeDtypeStruct(
+      tree, "float32", sharding=NamedSharding(mesh, spec)
+    )
+  }
+  tx = om.orthogonalize(
+    dimension_numbers="leading",
+    sharding=om.TensorParallel(
+      mesh, mode=mode, distribute_over=distribute_over
+    ),
+  )
+  with jax.set_mesh(mesh):
+    compiled = (
+      jax.jit(lambda u: tx.update(u, tx.init(u))[0]).lower(struct).compile()
+    )
+  analysis = compiled.cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, list) else analysis
+  return analysis["flops"], _hlo.collective_bytes(compiled.as_text())
+
+
+@pytest.mark.parametrize("mode", EXACT)
+def test_each_data_rank_orthogonalizes_only_its_share_of_the_stack(mode):
+  """16 layers on (data 4, model 2): FSDP on the matrix axis costs each
+  device the Newton–Schulz FLOPs of FSDP on the layer axis (a quarter of
+  the stack), not the whole stack's, and moves the stack's shard twice
+  (two all-to-alls over data), not three times (an all-gather)."""
+  mesh = _mesh((4, 2))
+  shape = (16, 128, 256)
+  on_matrix, matrix_bytes = _compiled(
+    shape, P(None, "data", "model"), mesh, mode
+  )
+  on_layers, layer_bytes = _compiled(
+    shape, P("data", None, "model"), mesh, mode
+  )
+  assert on_matrix <= 1.1 * on_layers, (on_matrix, on_layers)
+  shard = 16 * 128 * 256 * 4 // 8  # bytes of one device's block
+  over_data = matrix_bytes["all-to-all"] - layer_bytes["all-to-all"]
+  assert over_data == pytest.approx(2 * shard, rel=0.01), matrix_bytes
+  assert matrix_bytes["all-gather"] <= layer_bytes["all-gather"] + 64
+
+
+@pytest.mark.parametrize("mode", EXACT)
+def test_distribute_over_data_adds_no_bytes_under_fsdp(mode):
+  mesh = _mesh((4, 2))
+  spec = P(None, "data", "model")
+  _, plain = _compiled((16, 128, 256), spec, mesh, mode)
+  _, split = _compiled((16, 128, 256), spec, mesh, mode, "data")
+  assert sum(split.values()) <= sum(plain.values()), (split, plain)
