@@ -141,3 +141,26 @@ def test_distribute_over_data_adds_no_bytes_under_fsdp(mode):
   _, plain = _compiled((16, 128, 256), spec, mesh, mode)
   _, split = _compiled((16, 128, 256), spec, mesh, mode, "data")
   assert sum(split.values()) <= sum(plain.values()), (split, plain)
+
+
+@pytest.mark.parametrize("mode", EXACT)
+def test_a_stack_the_data_axis_does_not_divide_is_gathered(mode):
+  """6 layers over 4 data ranks: no home, so the matrix axis is gathered
+  (every data rank does the whole stack), and the update is still exact,
+  an MLP's up and down kernels in one allgather group included."""
+  mesh = _mesh((4, 2))
+  keys = iter(jax.random.split(jax.random.key(4), 2))
+  params = {
+    "up": normal(next(keys), (6, 32, 64)),
+    "down": normal(next(keys), (6, 64, 32)),
+  }
+  specs = {"up": P(None, "data", "model"), "down": P(None, "model", "data")}
+  reference = om.scale_by_muon(dimension_numbers="leading")
+  expected = reference.update(params, reference.init(params))[0]
+  tx = om.scale_by_muon(
+    dimension_numbers="leading", sharding=om.TensorParallel(mesh, mode=mode)
+  )
+  got = _update(tx, _put(params, specs, mesh), mesh)
+  chex.assert_trees_all_close(got, expected, atol=1e-5)
+  _, moved = _compiled((6, 32, 64), specs["up"], mesh, mode)
+  assert moved["all-gather"] >= 6 * 32 * 64 * 4 / 2  # the stack, whole
