@@ -21,7 +21,7 @@ from optax_muon._src.views import layout
 STEPS = 5  # om.muon's default
 
 
-def muon_leaves(flat: dict, mesh):
+def muon_leaves(flat: dict, mesh, distribute_over=None):
   """The Muon leaves of an at_scale tree as the cost model sees them:
   ``(views, specs, tp)``, ``tp`` a ``TensorParallel(mode="auto")``."""
   muon = {k: v for k, v in flat.items() if v[1] == "muon"}
@@ -34,16 +34,20 @@ def muon_leaves(flat: dict, mesh):
     k: optax.contrib.MuonDimensionNumbers(len(shape) - 2, len(shape) - 1)
     for k, (shape, _, _) in muon.items()
   }
-  tp = om.TensorParallel(mesh, "model", "auto", specs=specs)
+  tp = om.TensorParallel(
+    mesh, "model", "auto", specs=specs, distribute_over=distribute_over
+  )
   views = [v for _, _, v in layout.view_resolver(dims)(tree)]
   return views, tp.leaf_specs(tree), tp
 
 
-def formula(flat, mesh, mode, itemsize, precision, budget=None) -> dict:
+def formula(
+  flat, mesh, mode, itemsize, precision, budget=None, distribute_over=None
+) -> dict:
   """The cost model summed over the Muon leaves for ``mode`` (``auto``: each
   leaf's choice): Newton–Schulz TFLOP, link GiB and modeled ms per device,
   and for ``auto`` how many leaves took each mode."""
-  views, specs, tp = muon_leaves(flat, mesh)
+  views, specs, tp = muon_leaves(flat, mesh, distribute_over)
   itemsizes = [itemsize] * len(views)
   chosen = None
   if mode == "auto":

@@ -97,21 +97,29 @@ MODELS = {
   "tiny": (256, 1024, 8, 4, 32, 4, 1024),  # --quick
 }
 # deviceless GPU targets: an XLA GpuTargetConfigProto in benchmarks/gpu_targets
-GPU_TARGETS = {f"{part}-8": f"{part}.txtpb" for part in GPU_PARTS}
+GPU_TARGETS = {
+  f"{part}-{n}": f"{part}.txtpb" for part in GPU_PARTS for n in (8, 64)
+}
 # None: this machine's own devices (8 simulated ones for "cpu")
 TARGETS = {
   "cpu": None,
   "gpu": None,
   "tpu-v5p-8": "v5p:2x2x2",
-  **{target: "1x1x8" for target in GPU_TARGETS},
+  "tpu-v5p-64": "v5p:4x4x4",
+  # eight hosts of eight GPUs for the -64 targets
+  **{t: "1x1x8" if t.endswith("-8") else "1x8x8" for t in GPU_TARGETS},
 }
 PARTS_GIB = {"80GB": 80e9 / 2**30, "95GB": 95.74, "141GB": 141e9 / 2**30}
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 GIB = 2**30
 
 
-def llama_tree(model, stacked: bool, layers: int | None = None):
-  """``{path: (shape, label, spec)}`` for an HF-Llama tree."""
+def llama_tree(
+  model, stacked: bool, layers: int | None = None, fsdp: str = "none"
+):
+  """``{path: (shape, label, spec)}`` for an HF-Llama tree; ``fsdp``:
+  ``"matrix"`` shards each kernel's other matrix axis over ``data`` (and the
+  embedding's and head's), ``"layers"`` a stack's layer axis."""
   d, ffn, heads, kv, hd, depth, vocab = MODELS[model]
   depth = layers or depth
   kernels = {
@@ -128,10 +136,15 @@ def llama_tree(model, stacked: bool, layers: int | None = None):
     "lm_head": ((d, vocab), "adam", (None, "model")),
     "norm": ((d,), "adam", (None,)),
   }
-  tp = lambda kind: (None, "model") if kind == "col" else ("model", None)
+  if fsdp == "matrix":
+    tree["embed_tokens"] = ((vocab, d), "adam", ("model", "data"))
+    tree["lm_head"] = ((d, vocab), "adam", ("data", "model"))
+  other = "data" if fsdp == "matrix" else None
+  tp = lambda kind: (other, "model") if kind == "col" else ("model", other)
   if stacked:
+    layer = "data" if fsdp == "layers" else None
     for name, (shape, kind) in kernels.items():
-      tree[f"layers/{name}"] = ((depth, *shape), "muon", (None, *tp(kind)))
+      tree[f"layers/{name}"] = ((depth, *shape), "muon", (layer, *tp(kind)))
     for norm in ("input_norm", "post_norm"):
       tree[f"layers/{norm}"] = ((depth, d), "adam", (None, None))
   else:
@@ -221,6 +234,7 @@ def optimizers(
   momentum="param",
   offload=False,
   precision="highest",
+  distribute_over=None,
 ):
   labels = nest({k: label for k, (_, label, _) in flat.items()})
   specs = nest({k: P(*spec) for k, (_, _, spec) in flat.items()})
@@ -251,7 +265,9 @@ def optimizers(
     sharding = (
       None
       if mode == "unsharded"
-      else om.TensorParallel(mesh, "model", mode, specs=specs)
+      else om.TensorParallel(
+        mesh, "model", mode, specs=specs, distribute_over=distribute_over
+      )
     )
     out[mode] = om.muon(
       0.02, labels=labels, dimension_numbers=dims, sharding=sharding, **extra
@@ -493,7 +509,13 @@ def add_modeled_time(record: dict, flat, mesh, args) -> None:
     return
   itemsize = jnp.dtype(DTYPES[args.dtype]).itemsize
   model = formula(
-    flat, mesh, mode, itemsize, args.precision, args.memory_budget
+    flat,
+    mesh,
+    mode,
+    itemsize,
+    args.precision,
+    args.memory_budget,
+    args.distribute_over,
   )
   record.update(model, rates=rates.name)
   if record.get("compiled"):
@@ -530,6 +552,14 @@ def main(argv=None):
   parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
   parser.add_argument("--stacked", action="store_true")
   parser.add_argument(
+    "--fsdp",
+    default="none",
+    choices=["none", "matrix", "layers"],
+    help="the data axis also shards each kernel's other matrix axis "
+    "(matrix, as MaxText's FSDP) or a stack's layer axis (layers, with "
+    "--stacked); default none",
+  )
+  parser.add_argument(
     "--layers",
     type=positive_int,
     default=None,
@@ -540,8 +570,9 @@ def main(argv=None):
     default="cpu",
     choices=sorted(TARGETS),
     help="cpu: 8 simulated devices (default); gpu: this machine's; "
-    "tpu-v5p-8: a TPU topology, no TPU needed (libtpu); a100-8, h100-8, "
-    "h200-8, b200-8: eight such GPUs, none needed (the gpu-compile extra)",
+    "tpu-v5p-8, tpu-v5p-64: a TPU topology, no TPU needed (libtpu); a100-8, "
+    "h100-8, h200-8, b200-8: eight such GPUs, none needed (the gpu-compile "
+    "extra); a100-64 ... b200-64: eight hosts of eight",
   )
   parser.add_argument(
     "--modes",
@@ -573,6 +604,13 @@ def main(argv=None):
     help="Newton-Schulz precision (default: om.muon's, highest)",
   )
   parser.add_argument(
+    "--distribute-over",
+    default=None,
+    choices=["data"],
+    help="split the Newton-Schulz work over the data axis too "
+    "(TensorParallel(distribute_over=), Megatron's layer-wise optimizer)",
+  )
+  parser.add_argument(
     "--quick",
     action="store_true",
     help="the tiny model (on the --target given)",
@@ -583,11 +621,15 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.quick:
     args.model = "tiny"
+  if args.fsdp == "layers" and not args.stacked:
+    parser.error(
+      "argument --fsdp: layers shards a stack's layer axis: add --stacked"
+    )
   dp, tp = args.mesh
   flat = (
     read_tree(args.model)
     if args.model.endswith(".json")
-    else llama_tree(args.model, args.stacked, args.layers)
+    else llama_tree(args.model, args.stacked, args.layers, args.fsdp)
   )
   try:
     mesh = make_mesh(args.target, dp, tp)
@@ -615,6 +657,7 @@ def main(argv=None):
     args.momentum,
     args.offload,
     args.precision,
+    args.distribute_over,
   )
   depth = MODELS[args.model][5] if args.model in MODELS else None
   for name, tx in built.items():
@@ -622,6 +665,8 @@ def main(argv=None):
       "benchmark": "at_scale",
       "model": args.model,
       "stacked": args.stacked,
+      "fsdp": args.fsdp,
+      "distribute_over": args.distribute_over,
       "layers": args.layers or depth,
       "mesh": f"{dp}x{tp}",
       "dtype": args.dtype,
