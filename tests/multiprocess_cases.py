@@ -79,8 +79,14 @@ def gathered(tree_):
   )
 
 
-def update(mesh_, mode, **extra):
+def update(mesh_, mode, fsdp=False, **extra):
+  """One update, gathered; ``fsdp``: the stack's and ``down``'s other
+  matrix axis sharded over ``data`` too (the stack homed per data rank)."""
   params, specs = tree()
+  if fsdp:
+    specs = dict(
+      specs, stacked=P(None, "data", "model"), down=P("model", "data")
+    )
   tx = optimizer(mesh_, mode, specs, **extra)
   sharded = put(params, specs, mesh_)
   updates, _ = jax.jit(tx.update)(sharded, tx.init(sharded))
@@ -105,6 +111,10 @@ def tp_modes():
   out[("data_across", "distribute_over")] = update(
     mesh("data_across"), "duplicated", distribute_over="data"
   )
+  for mode in MODES[1:]:
+    out[("data_across", "fsdp", mode)] = update(
+      mesh("data_across"), mode, fsdp=True
+    )
   return out
 
 

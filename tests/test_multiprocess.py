@@ -42,6 +42,14 @@ def test_muon_across_two_processes_equals_one_process():
       unsharded,
       atol=1e-5,
     )
+    # FSDP x TP across processes: the stack homed per data rank
+    for mode in cases.MODES[1:]:
+      chex.assert_trees_all_close(
+        result["tp_modes"][("data_across", "fsdp", mode)],
+        unsharded,
+        atol=1e-5,
+        custom_message=f"fsdp {mode}",
+      )
   # ZeRO-1: the momentum split over the data axis, which spans the processes;
   # two steps, the second reading it
   outs, splits = first["zero1"]
