@@ -38,6 +38,7 @@ from optax_muon._src.parallel.tensor_parallel import local_count
 from optax_muon._src.parallel.tensor_parallel import local_shape
 from optax_muon._src.parallel.tensor_parallel import local_view
 from optax_muon._src.parallel.tensor_parallel import mode_for
+from optax_muon._src.parallel.tensor_parallel import splits_over_data
 from optax_muon._src.parallel.tensor_parallel import tp_dim_of
 from optax_muon._src.views import layout
 
@@ -135,11 +136,9 @@ def mode_costs(
   ranks = tp.size
   tp_dim = tp_dim_of(view, spec, tp)
   count = local_count(view, spec, tp)
-  data = tp.distribute_over
-  replicated = data is not None and not any(
-    data in spec[a] for a in view.batch_axes
+  spread = (
+    tp.mesh.shape[tp.distribute_over] if splits_over_data(view, spec, tp) else 1
   )
-  spread = tp.mesh.shape[data] if replicated else 1
   pieces = view.matrix_shapes
 
   def cost(mode, runs, flops, moved, collectives, piece) -> ModeCost:

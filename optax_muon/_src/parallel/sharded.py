@@ -32,6 +32,7 @@ from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.tensor_parallel import fsdp_moves
 from optax_muon._src.parallel.tensor_parallel import mode_for
 from optax_muon._src.parallel.tensor_parallel import own_chunk
+from optax_muon._src.parallel.tensor_parallel import splits_over_data
 from optax_muon._src.parallel.tensor_parallel import tp_dim_of
 
 PLANNERS = {
@@ -48,8 +49,12 @@ def _make_whole(x, moves: list[FsdpMove]):
   for move in moves:
     if move.home is None:
       x = jax.lax.all_gather(x, move.name, axis=move.dim, tiled=True)
-    else:
-      x = jax.lax.all_to_all(x, move.name, move.home, move.dim, tiled=True)
+      continue
+    if move.padded > move.length:  # zero matrices: Newton–Schulz keeps 0
+      pad = [(0, 0)] * x.ndim
+      pad[move.home] = (0, move.padded - move.length)
+      x = jnp.pad(x, pad)
+    x = jax.lax.all_to_all(x, move.name, move.home, move.dim, tiled=True)
   return x
 
 
@@ -58,8 +63,9 @@ def _give_back(x, moves: list[FsdpMove]):
   for move in reversed(moves):
     if move.home is None:
       x = own_chunk(x, move.name, move.dim)
-    else:
-      x = jax.lax.all_to_all(x, move.name, move.dim, move.home, tiled=True)
+      continue
+    x = jax.lax.all_to_all(x, move.name, move.dim, move.home, tiled=True)
+    x = jax.lax.slice_in_dim(x, 0, move.length, axis=move.home)
   return x
 
 
@@ -144,14 +150,7 @@ def orthogonalize_sharded(
       def finish(out, moves=moves, index=index):
         results[index] = _give_back(out, moves)
 
-      # a stack shared out over distribute_over (sharded, or homed there)
-      # is split already: only a replicated one splits again
-      replicated = not any(
-        tp.distribute_over in spec[d] for d in view.batch_axes
-      ) and not any(
-        m.home is not None and m.name == tp.distribute_over for m in moves
-      )
-      leaf = Leaf(x, view, tp_dim, finish, replicated)
+      leaf = Leaf(x, view, tp_dim, finish, splits_over_data(view, spec, tp))
       by_mode[mode_for(modes[index], view, tp_dim)].append(leaf)
     tasks = [
       task

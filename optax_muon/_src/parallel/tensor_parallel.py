@@ -261,24 +261,42 @@ class FsdpMove:
   the batch axis, so each rank of ``name`` holds whole matrices of 1/N of
   the stack, orthogonalizes only those, and a second all-to-all hands the
   results back: the bytes of the shard twice, not N−1 times, and 1/N of the
-  work. Without one (no batch axis whose local size ``name`` divides) the
-  axis is all-gathered and every rank of ``name`` repeats the work.
+  work. A stack that ``name`` does not divide is padded with zero matrices
+  first (80 layers over 64 ranks: two a rank, 1.6× the shard's bytes, where
+  a gather would move 63×). Without a home (no batch axis, or one so short
+  that padding would move more than a gather) the axis is all-gathered and
+  every rank of ``name`` repeats the work.
 
   Attributes:
     name: the mesh axis.
     dim: the matrix axis split over it.
     home: the batch axis the all-to-all splits instead, or None.
+    length: the home's local length before the move.
+    padded: that length padded to a multiple of the axis size.
   """
 
   name: str
   dim: int
-  home: int | None
+  home: int | None = None
+  length: int = 0
+  padded: int = 0
+
+
+def _home_for(local: list[int], batch_axes, size: int) -> int | None:
+  """The batch axis to share out over ``size`` ranks: the longest, where
+  its two all-to-alls (padded) move less than a gather's ``size − 1``
+  shards, else None."""
+  if not batch_axes:
+    return None
+  home = max(batch_axes, key=lambda b: (local[b] % size == 0, local[b]))
+  padded = -(-local[home] // size) * size
+  return home if 2 * padded < (size - 1) * local[home] else None
 
 
 def fsdp_moves(view: layout.MatrixView, spec, tp: TensorParallel) -> list:
   """Each ``FsdpMove`` of a leaf (global ``view``, normalized ``spec``), in
-  the order they apply; a home goes to the longest batch axis whose local
-  size the mesh axis divides."""
+  the order they apply (see ``FsdpMove``: a batch axis the mesh axis
+  divides is preferred, then the longest)."""
   local = [
     size // math.prod(tp.mesh.shape[n] for n in names)
     for size, names in zip(view.shape, spec)
@@ -294,26 +312,41 @@ def fsdp_moves(view: layout.MatrixView, spec, tp: TensorParallel) -> list:
           "supported; shard it over the tensor-parallel axis alone"
         )
       size = tp.mesh.shape[name]
-      homes = [b for b in view.batch_axes if local[b] % size == 0]
-      home = max(homes, key=lambda b: local[b]) if homes else None
-      if home is not None:
-        local[home] //= size
-      moves.append(FsdpMove(name, dim, home))
+      home = _home_for(local, view.batch_axes, size)
+      if home is None:
+        moves.append(FsdpMove(name, dim))
+        continue
+      padded = -(-local[home] // size) * size
+      moves.append(FsdpMove(name, dim, home, local[home], padded))
+      local[home] = padded // size
   return moves
 
 
-def local_count(view: layout.MatrixView, spec, tp: TensorParallel) -> int:
-  """The matrices of a leaf one device orthogonalizes: its batch axes'
-  local sizes, less the stack members homed on other ranks
-  (``fsdp_moves``)."""
-  count = math.prod(
-    view.shape[a] // math.prod(tp.mesh.shape[n] for n in spec[a])
-    for a in view.batch_axes
+def splits_over_data(view: layout.MatrixView, spec, tp: TensorParallel) -> bool:
+  """Whether ``distribute_over`` splits the leaf's matrices: only a stack
+  replicated over it (one sharded over it, or homed there by
+  ``fsdp_moves``, is split already)."""
+  data = tp.distribute_over
+  return (
+    data is not None
+    and not any(data in spec[d] for d in view.batch_axes)
+    and not any(
+      m.home is not None and m.name == data for m in fsdp_moves(view, spec, tp)
+    )
   )
+
+
+def local_count(view: layout.MatrixView, spec, tp: TensorParallel) -> int:
+  """The matrices of a leaf one device orthogonalizes once ``fsdp_moves``
+  applied (zero padding included)."""
+  local = {
+    a: view.shape[a] // math.prod(tp.mesh.shape[n] for n in spec[a])
+    for a in view.batch_axes
+  }
   for move in fsdp_moves(view, spec, tp):
     if move.home is not None:
-      count //= tp.mesh.shape[move.name]
-  return count
+      local[move.home] = move.padded // tp.mesh.shape[move.name]
+  return math.prod(local.values())
 
 
 def mode_for(mode: str, view: layout.MatrixView, tp_dim) -> str:
