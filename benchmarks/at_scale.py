@@ -22,7 +22,10 @@ with Megatron's tensor-parallel layout: q/k/v/gate/up column-parallel
 the embedding and head vocabulary-parallel, norms replicated; the kernels go
 to Muon, the rest to AdamW; momentum in the param dtype. ``--stacked`` makes
 each kernel one ``[L, in, out]`` leaf as ``nn.scan`` / MaxText's
-``scan_layers=True`` do; ``--model shapes.json`` reads a user's own tree:
+``scan_layers=True`` do; ``--fsdp matrix`` also shards each kernel's other
+matrix axis over ``data`` (MaxText's FSDP), ``--fsdp layers`` a stack's
+layer axis, with ``--mesh 8x8`` on ``--target tpu-v5p-64`` (64 chips) or
+``h100-64`` (eight hosts of eight); ``--model shapes.json`` reads a user's own tree:
 ``{"path/to/leaf": [[shape...], "muon"|"adam", [spec entries...]]}`` (dump
 one with ``jax.eval_shape`` and your partition specs).
 
@@ -106,6 +109,7 @@ TARGETS = {
   "gpu": None,
   "tpu-v5p-8": "v5p:2x2x2",
   "tpu-v5p-64": "v5p:4x4x4",
+  "tpu-v5p-512": "v5p:8x8x8",
   # eight hosts of eight GPUs for the -64 targets
   **{t: "1x1x8" if t.endswith("-8") else "1x8x8" for t in GPU_TARGETS},
 }
@@ -570,7 +574,7 @@ def main(argv=None):
     default="cpu",
     choices=sorted(TARGETS),
     help="cpu: 8 simulated devices (default); gpu: this machine's; "
-    "tpu-v5p-8, tpu-v5p-64: a TPU topology, no TPU needed (libtpu); a100-8, "
+    "tpu-v5p-8, -64, -512: a TPU topology, no TPU needed (libtpu); a100-8, "
     "h100-8, h200-8, b200-8: eight such GPUs, none needed (the gpu-compile "
     "extra); a100-64 ... b200-64: eight hosts of eight",
   )

@@ -168,6 +168,8 @@ def test_scaling_doc_table_is_the_plan_commands(monkeypatch):
     (["--layers", "0"], "--layers"),
     (["--modes", "dup"], "--modes"),
     (["--memory-budget", "-1"], "--memory-budget"),
+    (["--fsdp", "layers"], "--fsdp"),  # a layer axis needs --stacked
+    (["--fsdp", "rows"], "--fsdp"),
   ],
 )
 def test_at_scale_bad_arguments_exit_2_naming_them(args, flag):
@@ -283,3 +285,30 @@ def test_at_scale_auto_models_no_more_time_than_the_best_exact_mode():
   muon_leaves = 7  # q, k, v, o, gate, up, down: one stacked leaf each
   assert sum(auto["auto_chose"].values()) == muon_leaves
   assert all(records[m]["auto_chose"] is None for m in exact)
+
+
+def test_at_scale_fsdp_on_the_matrix_axis_halves_each_devices_work():
+  """--fsdp matrix on data 2 x model 4: each data rank orthogonalizes half
+  the stack (its home), by the formula and by the compiler's count, where
+  without FSDP both data ranks repeat all of it."""
+
+  def run(fsdp):
+    stdout = _run(
+      "at_scale.py",
+      "--quick",
+      "--stacked",
+      "--mesh",
+      "2x4",
+      "--fsdp",
+      fsdp,
+      "--modes",
+      "duplicated",
+      "--json",
+    )
+    (record,) = [json.loads(l) for l in stdout.splitlines()]
+    assert record["fsdp"] == fsdp
+    return record
+
+  homed, replicated = run("matrix"), run("none")
+  for key in ("ns_tflop", "cost_analysis_tflop"):
+    assert homed[key] / replicated[key] == pytest.approx(0.5, rel=0.1), key

@@ -338,3 +338,54 @@ def test_the_modeled_time_table_is_the_recorded_compile():
         assert cells == [f"{by_mode[m]['modeled_ms']:,.0f}" for m in modes]
         exact = min(by_mode[m]["modeled_ms"] for m in modes[1:4])
         assert by_mode["auto"]["modeled_ms"] <= exact * (1 + 1e-9), label
+
+
+def test_the_fsdp_table_is_the_recorded_compile():
+  """docs/scaling.md's FSDP x TP figures, against the 64-chip TPU compiles
+  `benchmarks/at_scale.py` wrote; each exact mode's bytes are the Muon
+  matrices' share of a data rank (127.5 GiB / 8) within 1.25x, plus its own
+  tensor-parallel traffic, and its Newton-Schulz 1/8 of the model's."""
+  path = ROOT / "results" / "at_scale" / "tpu_v5p_70b_fsdp.jsonl"
+  runs = [json.loads(line) for line in path.read_text().splitlines()]
+  modes = ("blockwise", "duplicated", "distributed", "allgather", "auto")
+  page = (ROOT / "docs" / "scaling.md").read_text()
+
+  def row(label):
+    (line,) = [l for l in page.splitlines() if l.startswith(label)]
+    return [c.strip("* ") for c in line.strip("|").split("|")][1:]
+
+  def by_mode(fsdp, distribute_over=None):
+    return {
+      r["mode"]: r
+      for r in runs
+      if r["mesh"] == "8x8"
+      and r["fsdp"] == fsdp
+      and r["distribute_over"] == distribute_over
+    }
+
+  total = lambda r: f"{sum(r['collective_gib'].values()):.2f}"
+  matrix, layers = by_mode("matrix"), by_mode("layers")
+  assert row("| FSDP on the matrix axis: **collective GiB now**") == [
+    total(matrix[m]) for m in modes
+  ]
+  assert row("| FSDP on the layer axis: collective GiB") == [
+    "0" if m == "blockwise" else total(layers[m]) for m in modes
+  ]
+  temps = row("| FSDP on the matrix axis: temp GiB, before → now")
+  assert [t.split("→ ")[-1] for t in temps] == [
+    f"{matrix[m]['temp_gib']:.2f}" for m in modes
+  ]
+  split = by_mode("matrix", "data")
+  for mode in ("duplicated", "distributed", "allgather"):
+    assert split[mode]["collective_gib"] == matrix[mode]["collective_gib"]
+    share = 127.5 / 8
+    own = {"duplicated": share, "distributed": 62.5 + 0.32, "allgather": 0}
+    assert sum(matrix[mode]["collective_gib"].values()) <= (
+      1.25 * share + own[mode]
+    ), mode
+    assert matrix[mode]["temp_gib"] <= 8
+  whole = 13223.345  # the model's Newton-Schulz TFLOP, every matrix once
+  assert matrix["duplicated"]["ns_tflop"] == pytest.approx(whole / 8, rel=1e-3)
+  assert matrix["duplicated"]["cost_analysis_tflop"] == pytest.approx(
+    layers["duplicated"]["cost_analysis_tflop"], rel=1e-3
+  )

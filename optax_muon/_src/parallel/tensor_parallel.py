@@ -261,11 +261,12 @@ class FsdpMove:
   the batch axis, so each rank of ``name`` holds whole matrices of 1/N of
   the stack, orthogonalizes only those, and a second all-to-all hands the
   results back: the bytes of the shard twice, not N−1 times, and 1/N of the
-  work. A stack that ``name`` does not divide is padded with zero matrices
-  first (80 layers over 64 ranks: two a rank, 1.6× the shard's bytes, where
-  a gather would move 63×). Without a home (no batch axis, or one so short
-  that padding would move more than a gather) the axis is all-gathered and
-  every rank of ``name`` repeats the work.
+  work (over two ranks: twice a gather's bytes, for half the work). A stack
+  that ``name`` does not divide is padded with zero matrices first (80
+  layers over 64 ranks: two a rank, 3.2 shards moved where a gather moves
+  63). Without a home (no batch axis, or one so short that sharing it would
+  not cut the work or would move more than a gather) the axis is
+  all-gathered and every rank of ``name`` repeats the work.
 
   Attributes:
     name: the mesh axis.
@@ -283,14 +284,18 @@ class FsdpMove:
 
 
 def _home_for(local: list[int], batch_axes, size: int) -> int | None:
-  """The batch axis to share out over ``size`` ranks: the longest, where
-  its two all-to-alls (padded) move less than a gather's ``size − 1``
-  shards, else None."""
+  """The batch axis to share out over ``size`` ranks (one the ranks divide,
+  else the longest), or None: where sharing would not cut each rank's
+  matrices, or its two all-to-alls (padding included) would move more than
+  a gather's ``size − 1`` shards and more than two (the least they move)."""
   if not batch_axes:
     return None
   home = max(batch_axes, key=lambda b: (local[b] % size == 0, local[b]))
-  padded = -(-local[home] // size) * size
-  return home if 2 * padded < (size - 1) * local[home] else None
+  length = local[home]
+  padded = -(-length // size) * size
+  fewer = padded // size < length
+  moved = 2 * padded / length  # in shards
+  return home if fewer and moved <= max(2, size - 1) else None
 
 
 def fsdp_moves(view: layout.MatrixView, spec, tp: TensorParallel) -> list:
