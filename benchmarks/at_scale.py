@@ -160,6 +160,60 @@ def llama_tree(
   return tree
 
 
+# DeepSeek-V3: hidden, routed experts, expert ffn, dense ffn, dense layers,
+# layers, vocabulary, MLA's q rank, kv rank, heads, nope / rope / v head dims
+DEEPSEEK_V3 = (7168, 256, 2048, 18432, 3, 61, 129280, 1536, 512, 128, 128, 64)
+
+
+def deepseek_tree(layers: int | None = None):
+  """``{path: (shape, label, spec)}`` for a DeepSeek-V3-shaped MoE with
+  scanned layers: MLA (q_a, q_b, kv_a, kv_b, o), the first dense layers'
+  MLP, then per MoE layer a router, one shared expert and the routed
+  experts ``[L, E, in, out]``, sharded over ``data`` as the expert-parallel
+  axis (EP) with tensor parallelism inside; attention and dense kernels
+  column / row parallel over ``model``."""
+  d, experts, eff, ffn, dense, depth, vocab, q_rank, kv_rank = DEEPSEEK_V3[:9]
+  heads, nope, rope = DEEPSEEK_V3[9:]
+  v = nope  # the value head dim equals the no-RoPE one (128)
+  depth = layers or depth
+  dense = min(dense, depth - 1)
+  moe = depth - dense
+  col, row = (None, "model"), ("model", None)
+  kernels = {
+    "q_a": ((d, q_rank), (None, None)),
+    "q_b": ((q_rank, heads * (nope + rope)), col),
+    "kv_a": ((d, kv_rank + rope), (None, None)),
+    "kv_b": ((kv_rank, heads * (nope + v)), col),
+    "o": ((heads * v, d), row),
+  }
+  tree = {
+    "embed": ((vocab, d), "adam", ("model", None)),
+    "lm_head": ((d, vocab), "adam", (None, "model")),
+  }
+  for name, (shape, spec) in kernels.items():
+    tree[f"attn/{name}"] = ((depth, *shape), "muon", (None, *spec))
+  for name, shape, spec in (
+    ("gate", (d, ffn), col),
+    ("up", (d, ffn), col),
+    ("down", (ffn, d), row),
+  ):
+    tree[f"dense/{name}"] = ((dense, *shape), "muon", (None, *spec))
+  tree["moe/router"] = ((moe, d, experts), "muon", (None, None, None))
+  for name, shape, spec in (
+    ("gate", (d, eff), col),
+    ("up", (d, eff), col),
+    ("down", (eff, d), row),
+  ):
+    tree[f"moe/shared_{name}"] = ((moe, *shape), "muon", (None, *spec))
+    tree[f"moe/experts_{name}"] = (
+      (moe, experts, *shape),
+      "muon",
+      (None, "data", *spec),
+    )
+  tree["norms"] = ((depth, 4, d), "adam", (None, None, None))
+  return tree
+
+
 def read_tree(path):
   with open(path) as f:
     raw = json.load(f)
@@ -419,9 +473,15 @@ def model_arg(text: str) -> str:
   """A model name or a ``.json`` tree that exists (argparse type)."""
   if text in MODELS or (text.endswith(".json") and os.path.isfile(text)):
     return text
+  name, _, layers = text.partition(":")
+  if name == "deepseek-v3" and (
+    not layers or (layers.isdigit() and int(layers) >= 2)
+  ):
+    return text
   raise argparse.ArgumentTypeError(
-    f"{text!r} is not a model; accepted: {sorted(MODELS)} or a .json tree "
-    "file that exists (see the module docstring for its format)"
+    f"{text!r} is not a model; accepted: {sorted(MODELS)}, deepseek-v3 or "
+    "deepseek-v3:LAYERS (at least 2), or a .json tree file that exists (see "
+    "the module docstring for its format)"
   )
 
 
@@ -630,11 +690,15 @@ def main(argv=None):
       "argument --fsdp: layers shards a stack's layer axis: add --stacked"
     )
   dp, tp = args.mesh
-  flat = (
-    read_tree(args.model)
-    if args.model.endswith(".json")
-    else llama_tree(args.model, args.stacked, args.layers, args.fsdp)
-  )
+  if args.model.endswith(".json"):
+    flat = read_tree(args.model)
+  elif args.model.startswith("deepseek-v3"):
+    if args.fsdp != "none":
+      parser.error("argument --fsdp: deepseek-v3 shards its experts over data")
+    layers = args.model.partition(":")[2]
+    flat = deepseek_tree(int(layers) if layers else None)
+  else:
+    flat = llama_tree(args.model, args.stacked, args.layers, args.fsdp)
   try:
     mesh = make_mesh(args.target, dp, tp)
   except ValueError as error:
@@ -664,6 +728,8 @@ def main(argv=None):
     args.distribute_over,
   )
   depth = MODELS[args.model][5] if args.model in MODELS else None
+  if args.model.startswith("deepseek-v3"):
+    depth = int(args.model.partition(":")[2] or DEEPSEEK_V3[5])
   for name, tx in built.items():
     record = {
       "benchmark": "at_scale",

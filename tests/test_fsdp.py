@@ -3,10 +3,13 @@ the tensor-parallel axis gives each data rank whole matrices of its share
 of the stack (one all-to-all), so no two data ranks orthogonalize the same
 matrix; the update equals the unsharded one."""
 
+import math
+import re
 import sys
 
 import chex
 import jax
+import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
@@ -190,3 +193,56 @@ def test_a_stack_the_data_axis_does_not_divide_is_padded_to_share(mode):
   two_layers, _ = _compiled((8, 128, 256), P("data", None, "model"), mesh, mode)
   assert padded <= 1.1 * two_layers, (padded, two_layers)
   assert moved["all-gather"] <= 2 * 128 * 256 * 4  # no stack gathered
+
+
+def _groups(text: str) -> list[list[int]]:
+  """An HLO ``replica_groups`` attribute as lists of device ids: the
+  explicit ``{{0,1},{2,3}}`` form or the iota ``[G,S]<=[dims]T(perm)``."""
+  if text.startswith("{"):
+    return [
+      [int(i) for i in group.split(",") if i]
+      for group in re.findall(r"\{([\d,]*)\}", text)
+    ]
+  shape, dims, perm = re.match(
+    r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text
+  ).groups()
+  ids = np.arange(math.prod(int(d) for d in dims.split(",")))
+  ids = ids.reshape([int(d) for d in dims.split(",")])
+  if perm:
+    ids = ids.transpose([int(p) for p in perm.split(",")])
+  return ids.reshape([int(s) for s in shape.split(",")]).tolist()
+
+
+@pytest.mark.parametrize("mode", EXACT)
+def test_experts_sharded_over_an_expert_axis_move_nothing_over_it(mode):
+  """Experts ``[L, E, in, out]`` with E over ``data`` as the expert-parallel
+  axis and tensor parallelism inside: every collective of the update runs
+  within one row of the mesh (a model-axis group), none across experts."""
+  mesh = _mesh((2, 4))
+  struct = {
+    "experts": jax.ShapeDtypeStruct(
+      (2, 8, 32, 64),
+      "float32",
+      sharding=NamedSharding(mesh, P(None, "data", None, "model")),
+    )
+  }
+  tx = om.orthogonalize(
+    dimension_numbers="leading", sharding=om.TensorParallel(mesh, mode=mode)
+  )
+  with jax.set_mesh(mesh):
+    hlo = (
+      jax.jit(lambda u: tx.update(u, tx.init(u))[0])
+      .lower(struct)
+      .compile()
+      .as_text()
+    )
+  collective = r"(all-gather|all-reduce|all-to-all|collective-permute)"
+  lines = [
+    l for l in hlo.splitlines() if re.search(collective + r"(-start)?\(", l)
+  ]
+  assert lines  # the mode's own tensor-parallel traffic
+  row_of = {d.id: r for r, row in enumerate(mesh.devices) for d in row}
+  for line in lines:
+    (groups,) = re.findall(r"replica_groups=(\S+?)(?:,\s|$)", line)
+    for group in _groups(groups):
+      assert len({row_of[i] for i in group}) == 1, line
