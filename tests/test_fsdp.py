@@ -40,6 +40,7 @@ def _tree():
     "layers_fsdp": draw((8, 32, 64)),  # FSDP on the layer axis
     "per_layer": draw((32, 64)),  # no stack: gathered over data
     "experts": draw((2, 4, 32, 64)),  # layers x experts
+    "experts_ep": draw((2, 4, 32, 64)),  # experts over data: EP
   }
   specs = {
     "up": P(None, "data", "model"),
@@ -47,6 +48,7 @@ def _tree():
     "layers_fsdp": P("data", None, "model"),
     "per_layer": P("data", "model"),
     "experts": P(None, None, "data", "model"),
+    "experts_ep": P(None, "data", None, "model"),
   }
   return params, specs
 
