@@ -32,13 +32,12 @@ import dataclasses
 from collections.abc import Sequence
 
 from optax_muon._src.parallel import allgather
+from optax_muon._src.parallel import fsdp
 from optax_muon._src.parallel import waves
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
-from optax_muon._src.parallel.tensor_parallel import local_count
 from optax_muon._src.parallel.tensor_parallel import local_shape
 from optax_muon._src.parallel.tensor_parallel import local_view
 from optax_muon._src.parallel.tensor_parallel import mode_for
-from optax_muon._src.parallel.tensor_parallel import splits_over_data
 from optax_muon._src.parallel.tensor_parallel import tp_dim_of
 from optax_muon._src.views import layout
 
@@ -135,9 +134,11 @@ def mode_costs(
   flop_rate = rates.matmul_flops(precision)
   ranks = tp.size
   tp_dim = tp_dim_of(view, spec, tp)
-  count = local_count(view, spec, tp)
+  count = fsdp.local_count(view, spec, tp)
   spread = (
-    tp.mesh.shape[tp.distribute_over] if splits_over_data(view, spec, tp) else 1
+    tp.mesh.shape[tp.distribute_over]
+    if fsdp.splits_over_data(view, spec, tp)
+    else 1
   )
   pieces = view.matrix_shapes
 
@@ -232,7 +233,7 @@ def group_items(views, specs, itemsizes, tp) -> list[int | None]:
   items: dict = {}
   for key, view, spec in zip(keys, views, specs):
     if key is not None:
-      items[key] = items.get(key, 0) + local_count(view, spec, tp)
+      items[key] = items.get(key, 0) + fsdp.local_count(view, spec, tp)
   return [None if key is None else items[key] for key in keys]
 
 

@@ -2,15 +2,14 @@
 ``jax.shard_map`` with its parameter's ``PartitionSpec`` and leaves with it.
 
 Inside, matrix axes sharded over mesh axes other than the tensor-parallel
-one (FSDP over ``data``) are made whole first and re-split last
-(``tensor_parallel.fsdp_moves``): a stack (scanned layers, experts) by one
-all-to-all that gives each rank of that axis whole matrices of its share of
-the stack, so no two of them orthogonalize the same matrix; a leaf without
-a batch axis to share by an all-gather. Sharded batch axes stay sharded. Each leaf then goes to the planner of
-its mode (``tensor_parallel.mode_for``: ``blockwise``, ``duplicated``,
-``distributed`` or ``allgather``, one module each), which returns the
-leaf's tasks, and the tasks of all leaves run in waves within the memory
-budget (``waves``).
+one (FSDP over ``data``) are made whole first and re-split last (``fsdp``:
+a stack shared out over that axis, so no two of its ranks orthogonalize the
+same matrix; a leaf without a stack gathered); sharded batch axes stay
+sharded. Each leaf then goes to the planner of its mode
+(``tensor_parallel.mode_for``, or ``cost`` under ``"auto"``: ``blockwise``,
+``duplicated``, ``distributed`` or ``allgather``, one module each), which
+returns the leaf's tasks, and the tasks of all leaves run in waves within
+the memory budget (``waves``).
 """
 
 from typing import Any
@@ -25,14 +24,11 @@ from optax_muon._src.parallel import blockwise
 from optax_muon._src.parallel import cost
 from optax_muon._src.parallel import distributed
 from optax_muon._src.parallel import duplicated
+from optax_muon._src.parallel import fsdp
 from optax_muon._src.parallel import waves
-from optax_muon._src.parallel.tensor_parallel import FsdpMove
 from optax_muon._src.parallel.tensor_parallel import Leaf
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
-from optax_muon._src.parallel.tensor_parallel import fsdp_moves
 from optax_muon._src.parallel.tensor_parallel import mode_for
-from optax_muon._src.parallel.tensor_parallel import own_chunk
-from optax_muon._src.parallel.tensor_parallel import splits_over_data
 from optax_muon._src.parallel.tensor_parallel import tp_dim_of
 
 PLANNERS = {
@@ -41,32 +37,6 @@ PLANNERS = {
   "distributed": distributed.plan,
   "allgather": allgather.plan,
 }
-
-
-def _make_whole(x, moves: list[FsdpMove]):
-  """``x`` with its matrix axes whole over every mesh axis but the
-  tensor-parallel one: an all-to-all onto a home, else an all-gather."""
-  for move in moves:
-    if move.home is None:
-      x = jax.lax.all_gather(x, move.name, axis=move.dim, tiled=True)
-      continue
-    if move.padded > move.length:  # zero matrices: Newton–Schulz keeps 0
-      pad = [(0, 0)] * x.ndim
-      pad[move.home] = (0, move.padded - move.length)
-      x = jnp.pad(x, pad)
-    x = jax.lax.all_to_all(x, move.name, move.home, move.dim, tiled=True)
-  return x
-
-
-def _give_back(x, moves: list[FsdpMove]):
-  """``_make_whole`` undone: each rank's own block of the result."""
-  for move in reversed(moves):
-    if move.home is None:
-      x = own_chunk(x, move.name, move.dim)
-      continue
-    x = jax.lax.all_to_all(x, move.name, move.dim, move.home, tiled=True)
-    x = jax.lax.slice_in_dim(x, 0, move.length, axis=move.home)
-  return x
 
 
 def orthogonalize_sharded(
@@ -137,20 +107,22 @@ def orthogonalize_sharded(
     finish_states = {}
     by_mode: dict[str, list[Leaf]] = {mode: [] for mode in PLANNERS}
     for index, (x, view, spec) in enumerate(zip(local_leaves, views, specs)):
-      moves = fsdp_moves(view, spec, tp)
-      x = _make_whole(x, moves)
-      own_states[index] = [_make_whole(a, moves) for a in own_states[index]]
+      moves = fsdp.moves(view, spec, tp)
+      x = fsdp.make_whole(x, moves)
+      own_states[index] = [fsdp.make_whole(a, moves) for a in own_states[index]]
 
       def finish_state(arrays, moves=moves, index=index):
-        new_states[index] = [_give_back(a, moves) for a in arrays]
+        new_states[index] = [fsdp.give_back(a, moves) for a in arrays]
 
       finish_states[id(x)] = (index, finish_state)
       tp_dim = tp_dim_of(view, spec, tp)
 
       def finish(out, moves=moves, index=index):
-        results[index] = _give_back(out, moves)
+        results[index] = fsdp.give_back(out, moves)
 
-      leaf = Leaf(x, view, tp_dim, finish, splits_over_data(view, spec, tp))
+      leaf = Leaf(
+        x, view, tp_dim, finish, fsdp.splits_over_data(view, spec, tp)
+      )
       by_mode[mode_for(modes[index], view, tp_dim)].append(leaf)
     tasks = [
       task
