@@ -68,6 +68,51 @@ def normal(key, shape, dtype=jnp.float32) -> jax.Array:
   return jnp.asarray(_NORMALS[name][:size].reshape(shape))
 
 
+def tp_mlp(rngs):
+  """A two-layer Flax NNX MLP, 16 -> 64 -> 16: ``up``'s kernel column- and
+  ``down``'s row-parallel over ``model`` (``nnx.with_partitioning``)."""
+  from flax import nnx
+
+  class TpMlp(nnx.Module):
+    def __init__(self, rngs):
+      init = nnx.initializers.lecun_normal()
+      self.up = nnx.Linear(
+        16,
+        64,
+        kernel_init=nnx.with_partitioning(init, (None, "model")),
+        use_bias=False,
+        rngs=rngs,
+      )
+      self.down = nnx.Linear(
+        64,
+        16,
+        kernel_init=nnx.with_partitioning(init, ("model", None)),
+        use_bias=False,
+        rngs=rngs,
+      )
+
+    def __call__(self, x):
+      return self.down(jax.nn.relu(self.up(x)))
+
+  return TpMlp(rngs)
+
+
+def nnx_losses(model, tx, x, steps=3) -> list[float]:
+  """The reconstruction losses of ``steps`` jitted ``nnx.Optimizer`` steps
+  of ``model`` on ``x`` (a mesh, if any, set by the caller)."""
+  from flax import nnx
+
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - x) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  return [float(step(model, optimizer)) for _ in range(steps)]
+
+
 def polar(x):
   """The polar factor ``U Vᴴ`` of each matrix of ``x`` (float64 SVD)."""
   x = np.asarray(x)

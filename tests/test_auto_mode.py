@@ -16,7 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
 from conftest import ROOT
+from conftest import nnx_losses
 from conftest import normal
+from conftest import tp_mlp
 from optax_muon._src.parallel import cost
 from optax_muon._src.parallel import rates as rates_lib
 from optax_muon._src.parallel import waves
@@ -333,42 +335,11 @@ def test_muon_config_and_nnx_take_auto():
   mesh = jax.make_mesh(
     (2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2
   )
-
-  class Model(nnx.Module):
-    def __init__(self, rngs):
-      init = nnx.with_partitioning(
-        nnx.initializers.lecun_normal(), (None, "model")
-      )
-      self.up = nnx.Linear(16, 64, kernel_init=init, use_bias=False, rngs=rngs)
-      self.down = nnx.Linear(
-        64,
-        16,
-        kernel_init=nnx.with_partitioning(
-          nnx.initializers.lecun_normal(), ("model", None)
-        ),
-        use_bias=False,
-        rngs=rngs,
-      )
-
-    def __call__(self, x):
-      return self.down(jax.nn.relu(self.up(x)))
-
   with jax.set_mesh(mesh):
-    model = Model(nnx.Rngs(0))
+    model = tp_mlp(nnx.Rngs(0))
     specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
     tx = om.MuonConfig(muon_tp_mode="auto").build(0.02, mesh=mesh, specs=specs)
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    x = normal(jax.random.key(0), (32, 16))
-
-    @nnx.jit
-    def step(model, optimizer):
-      loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - x) ** 2))(
-        model
-      )
-      optimizer.update(model, grads)
-      return loss
-
-    losses = [float(step(model, optimizer)) for _ in range(3)]
+    losses = nnx_losses(model, tx, normal(jax.random.key(0), (32, 16)))
   assert losses[2] < losses[0]
 
 

@@ -148,17 +148,13 @@ def test_distribute_over_data_adds_no_bytes_under_fsdp(mode):
   assert sum(split.values()) <= sum(plain.values()), (split, plain)
 
 
-@pytest.mark.parametrize("mode", EXACT)
-def test_a_stack_too_short_to_share_is_gathered(mode):
-  """2 layers over 4 data ranks: padded to 4, its all-to-alls would move
-  more than a gather, so the matrix axis is gathered (every data rank does
-  the whole stack), and the update is still exact, an MLP's up and down
-  kernels in one allgather group included."""
-  mesh = _mesh((4, 2))
-  keys = iter(jax.random.split(jax.random.key(4), 2))
+def _assert_up_and_down_exact(mesh, mode, layers):
+  """An MLP's up and down stacks of ``layers`` under FSDP on the matrix
+  axis (one allgather group): the update equals the unsharded one."""
+  keys = iter(jax.random.split(jax.random.key(layers), 2))
   params = {
-    "up": normal(next(keys), (2, 32, 64)),
-    "down": normal(next(keys), (2, 64, 32)),
+    "up": normal(next(keys), (layers, 32, 64)),
+    "down": normal(next(keys), (layers, 64, 32)),
   }
   specs = {"up": P(None, "data", "model"), "down": P(None, "model", "data")}
   reference = om.scale_by_muon(dimension_numbers="leading")
@@ -168,7 +164,17 @@ def test_a_stack_too_short_to_share_is_gathered(mode):
   )
   got = _update(tx, _put(params, specs, mesh), mesh)
   chex.assert_trees_all_close(got, expected, atol=1e-5)
-  _, moved = _compiled((2, 32, 64), specs["up"], mesh, mode)
+
+
+@pytest.mark.parametrize("mode", EXACT)
+def test_a_stack_too_short_to_share_is_gathered(mode):
+  """2 layers over 4 data ranks: padded to 4, its all-to-alls would move
+  more than a gather, so the matrix axis is gathered (every data rank does
+  the whole stack), and the update is still exact, an MLP's up and down
+  kernels in one allgather group included."""
+  mesh = _mesh((4, 2))
+  _assert_up_and_down_exact(mesh, mode, layers=2)
+  _, moved = _compiled((2, 32, 64), P(None, "data", "model"), mesh, mode)
   assert moved["all-gather"] >= 2 * 32 * 64 * 4 / 2  # the stack, whole
 
 
@@ -178,19 +184,7 @@ def test_a_stack_the_data_axis_does_not_divide_is_padded_to_share(mode):
   rank; exact, and each device does 2 of the 6 layers' work (the padding's
   zero matrices included), not all 6."""
   mesh = _mesh((4, 2))
-  keys = iter(jax.random.split(jax.random.key(5), 2))
-  params = {
-    "up": normal(next(keys), (6, 32, 64)),
-    "down": normal(next(keys), (6, 64, 32)),
-  }
-  specs = {"up": P(None, "data", "model"), "down": P(None, "model", "data")}
-  reference = om.scale_by_muon(dimension_numbers="leading")
-  expected = reference.update(params, reference.init(params))[0]
-  tx = om.scale_by_muon(
-    dimension_numbers="leading", sharding=om.TensorParallel(mesh, mode=mode)
-  )
-  got = _update(tx, _put(params, specs, mesh), mesh)
-  chex.assert_trees_all_close(got, expected, atol=1e-5)
+  _assert_up_and_down_exact(mesh, mode, layers=6)
   padded, moved = _compiled((6, 128, 256), P(None, "data", "model"), mesh, mode)
   two_layers, _ = _compiled((8, 128, 256), P("data", None, "model"), mesh, mode)
   assert padded <= 1.1 * two_layers, (padded, two_layers)

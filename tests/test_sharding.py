@@ -17,7 +17,9 @@ from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
 from conftest import ROOT
+from conftest import nnx_losses
 from conftest import normal
+from conftest import tp_mlp
 from optax_muon._src.parallel.allgather import shares_out
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -473,51 +475,15 @@ def test_distribute_over_data_splits_the_newton_schulz_work():
     np.testing.assert_allclose(split_out[k], whole_out[k], atol=1e-5)
 
 
-class _Model(nnx.Module):
-  def __init__(self, rngs):
-    init = nnx.initializers.lecun_normal()
-    self.up = nnx.Linear(
-      16,
-      64,
-      kernel_init=nnx.with_partitioning(init, (None, "model")),
-      use_bias=False,
-      rngs=rngs,
-    )
-    self.down = nnx.Linear(
-      64,
-      16,
-      kernel_init=nnx.with_partitioning(init, ("model", None)),
-      use_bias=False,
-      rngs=rngs,
-    )
-
-  def __call__(self, x):
-    return self.down(jax.nn.relu(self.up(x)))
-
-
 @pytest.mark.parametrize("mode", ["duplicated", "distributed"])
 def test_flax_model_with_partitioning_trains(mode):
   mesh = _mesh((2, 4), AxisType.Auto)
   with jax.set_mesh(mesh):
-    model = _Model(nnx.Rngs(0))
+    model = tp_mlp(nnx.Rngs(0))
     specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
     tp = om.TensorParallel(mesh, mode=mode, specs=specs)
-    optimizer = nnx.Optimizer(
-      model,
-      om.muon(0.02, sharding=tp, dimension_numbers="leading"),
-      wrt=nnx.Param,
-    )
-    x = normal(jax.random.key(0), (32, 16))
-
-    @nnx.jit
-    def step(model, optimizer):
-      loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - x) ** 2))(
-        model
-      )
-      optimizer.update(model, grads)
-      return loss
-
-    losses = [float(step(model, optimizer)) for _ in range(3)]
+    tx = om.muon(0.02, sharding=tp, dimension_numbers="leading")
+    losses = nnx_losses(model, tx, normal(jax.random.key(0), (32, 16)))
   assert losses[2] < losses[0]
   assert model.up.kernel.sharding.spec == P(None, "model")
 
