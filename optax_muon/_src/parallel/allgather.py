@@ -117,14 +117,25 @@ def _join_free(x: jax.Array, free: int, pieces: int) -> jax.Array:
 
 def _tiled_all_to_all(x, axis_name, split_axis: int, concat_axis: int):
   """``jax.lax.all_to_all(x, axis_name, split_axis, concat_axis,
-  tiled=True)`` as an exchange along a leading axis of the ranks: XLA's CPU
-  compiler rejects the tiled form when one all-to-all moves blocks of
-  differently laid out stacks (an MLP's up and down kernels under FSDP
-  on a (4, 2) mesh: "operands with different shapes")."""
+  tiled=True)`` as an exchange along a leading axis of the ranks (a
+  reshape, not copies of the chunks): XLA's CPU compiler rejects the tiled
+  form when one all-to-all moves blocks of differently laid out stacks (an
+  MLP's up and down kernels under FSDP on a (4, 2) mesh: "operands with
+  different shapes")."""
   ranks = jax.lax.axis_size(axis_name)
-  chunks = jnp.stack(jnp.split(x, ranks, axis=split_axis))
-  received = jax.lax.all_to_all(chunks, axis_name, 0, 0)
-  return jnp.concatenate(list(received), axis=concat_axis)
+  shape = x.shape
+  chunked = x.reshape(
+    shape[:split_axis]
+    + (ranks, shape[split_axis] // ranks)
+    + shape[split_axis + 1 :]
+  )
+  received = jax.lax.all_to_all(
+    jnp.moveaxis(chunked, split_axis, 0), axis_name, 0, 0
+  )  # received[j]: rank j's chunk
+  merged = jnp.moveaxis(received, 0, concat_axis)
+  out = list(merged.shape)
+  out[concat_axis : concat_axis + 2] = [ranks * out[concat_axis + 1]]
+  return merged.reshape(out)
 
 
 def _shards_to_whole(stack: jax.Array, axis_name, tp_dim: int) -> jax.Array:
