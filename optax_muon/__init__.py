@@ -26,6 +26,8 @@ from optax_muon._src.optimizers.adaptive import scale_by_adaptive_muon
 from optax_muon._src.optimizers.hyperball import muon_hyperball
 from optax_muon._src.optimizers.muon import muon
 from optax_muon._src.optimizers.muon import scale_by_muon
+from optax_muon._src.optimizers.muon_bp import MuonBPState
+from optax_muon._src.optimizers.muon_bp import muon_bp
 from optax_muon._src.optimizers.polargrad import polargrad
 from optax_muon._src.optimizers.polargrad import scale_by_polargrad
 from optax_muon._src.optimizers.scion import scion
@@ -58,6 +60,7 @@ __all__ = (
   "DeviceRates",
   "KNOWN_RATES",
   "Layout",
+  "MuonBPState",
   "MuonConfig",
   "MuonDimensionNumbers",
   "QuantizedMomentum",
@@ -77,6 +80,7 @@ __all__ = (
   "infer_layout",
   "momentum",
   "muon",
+  "muon_bp",
   "muon_hyperball",
   "newton_schulz",
   "orthogonality_error",

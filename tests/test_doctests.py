@@ -14,6 +14,7 @@ DOCUMENTED = [
   om.muon_hyperball,
   om.polargrad,
   om.scion,
+  om.muon_bp,
   compat.torch_muon,
   om.infer_layout,
 ]

@@ -17,7 +17,13 @@ from conftest import gaussian
 from optax_muon._src.optimizers import settings
 
 DIRECTIONS = (om.scale_by_adaptive_muon, om.scale_by_polargrad)
-OPTIMIZERS = (om.adaptive_muon, om.polargrad, om.muon_hyperball, om.scion)
+OPTIMIZERS = (
+  om.adaptive_muon,
+  om.polargrad,
+  om.muon_hyperball,
+  om.scion,
+  om.muon_bp,
+)
 
 
 def _parameters(function):

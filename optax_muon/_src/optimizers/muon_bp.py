@@ -1,0 +1,130 @@
+"""MuonBP: Muon with block-periodic orthogonalization.
+
+Under tensor parallelism each rank holds a block (shard) of every sharded
+matrix. MuonBP (Khaled et al., 2025) orthogonalizes each block on its own,
+with no communication, on most steps, and the whole matrix every
+``period``-th step::
+
+  m ← momentum(g)                      # local to each shard: elementwise
+  O = newton_schulz(m)                 # t mod period = 0: the whole matrix
+  O = newton_schulz(m_block)           # otherwise: each shard alone
+  p ← p − lr · (scale(shape) · O + wd · p)
+
+with each step's shape scale that of what it orthogonalized (the block's
+shape on block steps, the matrix's on full steps: the two RMS-matched step
+sizes). A block step is ``TensorParallel(mode="blockwise")``'s update, a
+full step the exact mode the sharding names; both read and write the same
+state, so only the step counter is added. Without sharding, or with one
+block per matrix, every step is Muon's.
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_muon._src.optimizers import muon as alias
+from optax_muon._src.parallel.tensor_parallel import EXACT_MODES
+
+
+class MuonBPState(NamedTuple):
+  """The step counter and the optimizer's state (as ``om.muon`` keeps it)."""
+
+  step: jax.Array
+  inner_state: optax.OptState
+
+
+def alternate(
+  every: optax.GradientTransformation,
+  otherwise: optax.GradientTransformation,
+  period: int,
+) -> optax.GradientTransformation:
+  """``every`` on steps ``0, period, 2·period, …``, ``otherwise`` on the
+  others; the two must keep states of the same structure (they share one).
+
+  Args:
+    every: the transformation of every ``period``-th step.
+    otherwise: the transformation of the steps between.
+    period: a positive int.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a ``MuonBPState``.
+  """
+
+  def init_fn(params):
+    return MuonBPState(jnp.zeros([], jnp.int32), every.init(params))
+
+  def update_fn(updates, state, params=None):
+    updates, inner = jax.lax.cond(
+      state.step % period == 0,
+      lambda: every.update(updates, state.inner_state, params),
+      lambda: otherwise.update(updates, state.inner_state, params),
+    )
+    return updates, MuonBPState(optax.safe_increment(state.step), inner)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def muon_bp(
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  period: int = 5,
+  **muon_kwargs,
+) -> optax.GradientTransformation:
+  r"""MuonBP: ``om.muon`` whose sharded matrices are orthogonalized block by
+  block (no communication) except every ``period``-th step, when the
+  sharding's exact mode orthogonalizes each whole matrix.
+
+  Step ``t`` (from 0) is a full step when ``t mod period = 0``, so the first
+  step is Muon's exactly; ``period=1`` is ``om.muon`` on every step. Each
+  step scales by the shape it orthogonalized (the shard's on block steps),
+  and the momentum, weight decay and the AdamW group are ``om.muon``'s.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    period: full orthogonalizations every ``period`` steps (a positive int;
+      the paper's ``P``).
+    **muon_kwargs: the other arguments of ``om.muon`` (``sharding``,
+      ``layout``, ``labels``, ``weight_decay``, ``adam_*``, ...);
+      ``sharding`` names the full steps' mode, one of the exact modes (or
+      ``"auto"``).
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  Raises:
+    ValueError: for a ``period`` that is not a positive int, or a
+      ``sharding`` whose mode is ``"blockwise"`` (it would never be exact).
+
+  Example:
+    >>> import jax.numpy as jnp, optax_muon as om
+    >>> params = {"hidden": jnp.ones((16, 32)), "bias": jnp.zeros(32)}
+    >>> tx = om.muon_bp(0.02, period=5)  # no sharding: Muon on every step
+    >>> updates, state = tx.update(params, tx.init(params), params)
+    >>> int(state.step)
+    1
+
+  References:
+    Khaled et al., `MuonBP: Faster Muon via Block-Periodic
+    Orthogonalization <https://arxiv.org/abs/2510.16981>`_, 2025
+  """
+  if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+    raise ValueError(
+      f"period={period!r} is not accepted; accepted values: a positive int "
+      "(a full orthogonalization every `period` steps)"
+    )
+  sharding = muon_kwargs.get("sharding")
+  if sharding is not None and sharding.mode not in (*EXACT_MODES, "auto"):
+    raise ValueError(
+      f"muon_bp's sharding.mode={sharding.mode!r} is not accepted: its full "
+      f"steps need a mode that orthogonalizes whole matrices; accepted: "
+      f"{[*EXACT_MODES, 'auto']} (its block steps are blockwise)"
+    )
+  full = alias.muon(learning_rate, **muon_kwargs)
+  if sharding is None:
+    return alternate(full, full, 1)
+  blockwise = dataclasses.replace(sharding, mode="blockwise")
+  block = alias.muon(learning_rate, **dict(muon_kwargs, sharding=blockwise))
+  return alternate(full, block, period)
