@@ -145,8 +145,8 @@ def _tp_modes(
   sharding, muon_only, view_of, steps, precision, preconditioning, budget
 ) -> dict:
   """Each Muon leaf's ``(tp mode, why)`` under ``sharding``."""
-  paths = [p for p, _ in _paths.leaves_with_paths(muon_only)[0]]
-  leaves = [x for _, x in _paths.leaves_with_paths(muon_only)[0]]
+  pairs = _paths.leaves_with_paths(muon_only)[0]
+  paths, leaves = [p for p, _ in pairs], [x for _, x in pairs]
   views = [view_of[p] for p in paths]
   specs = sharding.leaf_specs(muon_only)
   tp_dims = [

@@ -226,15 +226,26 @@ def choose(costs: Sequence[ModeCost], budget: int | None) -> Choice:
   return Choice(best.runs, tuple(ranked), why)
 
 
+def _allgather_groups(views, specs, itemsizes, tp):
+  """The leaves ``allgather`` stacks together, as lists of leaf indices (a
+  leaf in no group is one of its own), and per leaf the matrices per device
+  of its group (None for a leaf in none)."""
+  keys = [_group_key(v, s, i, tp) for v, s, i in zip(views, specs, itemsizes)]
+  members: dict = {}
+  for index, key in enumerate(keys):
+    members.setdefault(index if key is None else key, []).append(index)
+  counts = [fsdp.local_count(v, s, tp) for v, s in zip(views, specs)]
+  items = [
+    None if key is None else sum(counts[i] for i in members[key])
+    for key in keys
+  ]
+  return list(members.values()), items
+
+
 def group_items(views, specs, itemsizes, tp) -> list[int | None]:
   """Per leaf, the matrices per device of its ``allgather`` group (None for
   a leaf that is in none)."""
-  keys = [_group_key(v, s, i, tp) for v, s, i in zip(views, specs, itemsizes)]
-  items: dict = {}
-  for key, view, spec in zip(keys, views, specs):
-    if key is not None:
-      items[key] = items.get(key, 0) + fsdp.local_count(view, spec, tp)
-  return [None if key is None else items[key] for key in keys]
+  return _allgather_groups(views, specs, itemsizes, tp)[1]
 
 
 def choose_modes(
@@ -265,17 +276,13 @@ def choose_modes(
   """
   steps = steps if isinstance(steps, int) else 5
   modes = [m for m in tp.auto_modes if m not in exclude]
-  keys = [_group_key(v, s, i, tp) for v, s, i in zip(views, specs, itemsizes)]
-  groups = group_items(views, specs, itemsizes, tp)
+  groups, items = _allgather_groups(views, specs, itemsizes, tp)
   costs = [
     mode_costs(v, s, i, tp, steps, precision, g, modes)
-    for v, s, i, g in zip(views, specs, itemsizes, groups)
+    for v, s, i, g in zip(views, specs, itemsizes, items)
   ]
-  members: dict = {}
-  for index, key in enumerate(keys):
-    members.setdefault(index if key is None else key, []).append(index)
   choices: list = [None] * len(views)
-  for group in members.values():
+  for group in groups:
     summed = [
       dataclasses.replace(
         first,
