@@ -23,6 +23,10 @@ from optax_muon._src.kernels.spectral import spectral_clipped_weight_decay
 from optax_muon._src.kernels.spectral import spectral_hardcap
 from optax_muon._src.optimizers.adaptive import adaptive_muon
 from optax_muon._src.optimizers.adaptive import scale_by_adaptive_muon
+from optax_muon._src.optimizers.dion2 import Dion2State
+from optax_muon._src.optimizers.dion2 import dion2
+from optax_muon._src.optimizers.dion2 import nordion2
+from optax_muon._src.optimizers.dion2 import scale_by_dion2
 from optax_muon._src.optimizers.hyperball import muon_hyperball
 from optax_muon._src.optimizers.muon import muon
 from optax_muon._src.optimizers.muon import scale_by_muon
@@ -58,6 +62,7 @@ except _metadata.PackageNotFoundError:  # a source tree on sys.path
 __all__ = (
   "COEFFICIENT_SETS",
   "DeviceRates",
+  "Dion2State",
   "KNOWN_RATES",
   "Layout",
   "MuonBPState",
@@ -76,6 +81,7 @@ __all__ = (
   "coefficient_schedule",
   "default_labels",
   "describe",
+  "dion2",
   "hyperball",
   "infer_layout",
   "momentum",
@@ -83,11 +89,13 @@ __all__ = (
   "muon_bp",
   "muon_hyperball",
   "newton_schulz",
+  "nordion2",
   "orthogonality_error",
   "orthogonalize",
   "polargrad",
   "qk_clip",
   "scale_by_adaptive_muon",
+  "scale_by_dion2",
   "scale_by_moment2",
   "scale_by_muon",
   "scale_by_polargrad",

@@ -16,13 +16,19 @@ import optax_muon as om
 from conftest import gaussian
 from optax_muon._src.optimizers import settings
 
-DIRECTIONS = (om.scale_by_adaptive_muon, om.scale_by_polargrad)
+DIRECTIONS = (
+  om.scale_by_adaptive_muon,
+  om.scale_by_polargrad,
+  om.scale_by_dion2,
+)
 OPTIMIZERS = (
   om.adaptive_muon,
   om.polargrad,
   om.muon_hyperball,
   om.scion,
   om.muon_bp,
+  om.dion2,
+  om.nordion2,
 )
 
 

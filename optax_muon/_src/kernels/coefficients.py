@@ -60,6 +60,19 @@ COEFFICIENT_SETS: dict[str, CoefficientSet] = {
     "repeat_last",
     "Amsel et al. 2025 (arXiv 2505.16932), safety factor 1.01 folded in",
   ),
+  "polar_express_dion": CoefficientSet(
+    (
+      # the first tuple carries microsoft/dion's X / (1.02 ‖X‖_F) safety
+      # factor: (a / 1.02, b / 1.02³, c / 1.02⁵) of its (8.156554524902461, -22.48329292557795, 15.878769915207462)
+      (7.996622083237707, -21.18650907793566, 14.381891134403759),
+      (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+      (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+      (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+      (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+    ),
+    "repeat_last",
+    "microsoft/dion polar_express.py (Dion2's default; 5 steps)",
+  ),
   "cans": CoefficientSet(
     (
       (8.4703, -25.1081, 18.6293),

@@ -68,6 +68,12 @@ DIFFERENT_DEFAULTS: dict[str, dict[str, str]] = {
   },
 }
 DIFFERENT_DEFAULTS["scale_by_polargrad"] = DIFFERENT_DEFAULTS["polargrad"]
+DIFFERENT_DEFAULTS["dion2"] = {
+  "coefficients": "microsoft/dion's Polar Express (polar_express_dion)",
+  "scale_mode": "microsoft/dion's adjust_lr='spectral_norm': unit_rms_norm",
+}
+for _name in ("nordion2", "scale_by_dion2"):
+  DIFFERENT_DEFAULTS[_name] = DIFFERENT_DEFAULTS["dion2"]
 
 # The shared settings a member does not take, and why (its docstring says so
 # too). Everything else in DIRECTION (and, for the optimizers, ROUTING) it
@@ -90,6 +96,21 @@ NOT_APPLICABLE: dict[str, dict[str, str]] = {
   },
 }
 NOT_APPLICABLE["scale_by_polargrad"] = NOT_APPLICABLE["polargrad"]
+_DION2_SHARDING = (
+  "not yet: under jax.jit XLA partitions sharded params, and the selection "
+  "is the whole matrix's"
+)
+NOT_APPLICABLE["dion2"] = {
+  "beta": "the momentum is a sum; ef_decay decays the selected slices",
+  "nesterov": "the momentum is a sum, orthogonalized as it is",
+  "momentum_style": "the momentum is a sum (no 1 - beta on the gradient)",
+  "sharding": _DION2_SHARDING,
+}
+NOT_APPLICABLE["scale_by_dion2"] = NOT_APPLICABLE["dion2"]
+NOT_APPLICABLE["nordion2"] = {
+  name: NOT_APPLICABLE["dion2"][name]
+  for name in ("nesterov", "momentum_style", "sharding")
+}
 
 
 def forward(
