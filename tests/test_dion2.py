@@ -207,7 +207,8 @@ class StackTest(chex.TestCase):
       stacked, _ = update({"w": stack}, tx.init({"w": stack}))
       for i in range(3):
         alone, _ = one.update({"w": stack[i]}, one.init({"w": stack[i]}))
-        chex.assert_trees_all_close(stacked["w"][i], alone["w"], atol=1e-6)
+        # batched and one-by-one products round apart (2e-6 on jax 0.12)
+        chex.assert_trees_all_close(stacked["w"][i], alone["w"], atol=1e-5)
 
 
 @pytest.mark.parametrize(
