@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
+from conftest import gaussian
 from conftest import normal
 
 # verl's actor.optim and Megatron-Core's muon_* defaults (DESIGN §7); None is
@@ -54,6 +55,11 @@ DEFAULTS = {
   # no config name in Megatron-Core: a gated linear_fc1 is always split
   # (its is_gated_fc1 attribute); ours follows, and can be turned off
   "muon_split_gate_up": True,
+  # no reference names (microsoft/dion's defaults: period 5 is MuonBP's P)
+  "muon_bp_period": 5,
+  "dion2_fraction": 0.25,
+  "dion2_ef_decay": 0.95,
+  "nordion2_beta2": 0.95,
 }
 
 
@@ -488,3 +494,58 @@ def test_a_single_override_string_asks_for_a_list():
 def test_a_null_weight_decay_is_a_clear_error(value):
   with pytest.raises(ValueError, match="weight_decay.*cannot be unset"):
     om.MuonConfig.from_dict({"weight_decay": value})
+
+
+@pytest.mark.parametrize(
+  "overrides, build",
+  [
+    (
+      ["optimizer=dion2", "dion2_fraction=0.5", "dion2_ef_decay=0.9"],
+      lambda lr, **kw: om.dion2(lr, fraction=0.5, ef_decay=0.9, **kw),
+    ),
+    (
+      ["optimizer=nordion2", "muon_momentum=0.9", "nordion2_beta2=0.99"],
+      lambda lr, **kw: om.nordion2(lr, beta=0.9, beta2=0.99, **kw),
+    ),
+    (
+      ["optimizer=muon_bp", "muon_bp_period=3"],
+      lambda lr, **kw: om.muon_bp(
+        lr, period=3, beta=0.95, nesterov=False, **kw
+      ),
+    ),
+  ],
+)
+def test_the_family_names_build_their_optimizer(overrides, build):
+  cfg = om.MuonConfig.from_overrides(
+    ["lr=0.02", "clip_grad=0", "muon_fp32_matmul_prec=highest", *overrides]
+  )
+  params = {"w": gaussian((16, 32), 0), "b": jnp.zeros(32)}
+  grads = {"w": gaussian((16, 32), 1), "b": jnp.ones(32)}
+  want_tx = build(
+    0.02,
+    coefficients="quintic",
+    scale_mode="spectral",
+    weight_decay=0.01,
+    adam_weight_decay=0.01,
+    adam_b2=0.999,
+  )
+  got_tx = cfg.build(params=params)
+  got, _ = got_tx.update(grads, got_tx.init(params), params)
+  want, _ = want_tx.update(grads, want_tx.init(params), params)
+  chex.assert_trees_all_close(got, want, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+  "overrides, field",
+  [
+    (["optimizer=dion2", "muon_tp_mode=allgather"], "muon_tp_mode"),
+    (["optimizer=nordion2", "muon_momentum_bits=8"], "muon_momentum_bits"),
+    (["optimizer=dion2", "dion2_fraction=1.5"], "dion2_fraction"),
+    (["optimizer=dion2", "dion2_ef_decay=-1"], "dion2_ef_decay"),
+    (["optimizer=nordion2", "nordion2_beta2=1"], "nordion2_beta2"),
+    (["optimizer=muon_bp", "muon_bp_period=0"], "muon_bp_period"),
+  ],
+)
+def test_the_family_names_reject_what_they_cannot_do(overrides, field):
+  with pytest.raises(ValueError, match=field):
+    om.MuonConfig.from_overrides(overrides)

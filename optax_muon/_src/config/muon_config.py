@@ -28,7 +28,9 @@ from optax_muon._src.config import overrides as overrides_lib
 from optax_muon._src.kernels import coefficients
 from optax_muon._src.kernels import matrices
 from optax_muon._src.optimizers import adaptive
+from optax_muon._src.optimizers import dion2 as dion2_lib
 from optax_muon._src.optimizers import muon as alias
+from optax_muon._src.optimizers import muon_bp as muon_bp_lib
 from optax_muon._src.optimizers.route import SCALAR_OPTIMIZERS
 from optax_muon._src.optimizers.route import matrices_only
 from optax_muon._src.parallel import offload
@@ -40,7 +42,10 @@ from optax_muon._src.transforms import qk_clip as qk_clip_lib
 from optax_muon._src.transforms import scaling
 from optax_muon._src.views import layout as layout_lib
 
-OPTIMIZERS = ("adam", "muon", "adaptive_muon")
+OPTIMIZERS = ("adam", "muon", "adaptive_muon", "muon_bp", "dion2", "nordion2")
+# the members whose update has no tensor-parallel mode (yet): XLA partitions
+# them under jit
+WITHOUT_TP_MODE = ("dion2", "nordion2")
 TP_MODES = sharding_lib.MODES
 
 
@@ -49,9 +54,15 @@ class MuonConfig:
   """Optimizer settings under verl / Megatron-Core names, checked when made.
 
   Attributes:
-    optimizer: ``"adam"`` (AdamW everywhere), ``"muon"``, or
+    optimizer: ``"adam"`` (AdamW everywhere), ``"muon"``,
       ``"adaptive_muon"`` (Megatron-Core's name: ``om.adaptive_muon`` with
-      the ``muon_*`` settings and the ``adaptive_muon_*`` ones below).
+      the ``muon_*`` settings and the ``adaptive_muon_*`` ones below),
+      ``"muon_bp"`` (``om.muon_bp``, ``muon_bp_period``; its full steps in
+      ``muon_tp_mode``, ``"auto"`` when unset), ``"dion2"`` or
+      ``"nordion2"`` (``om.dion2`` / ``om.nordion2`` with the ``dion2_*``
+      settings and the ``muon_*`` ones that apply: the Newton–Schulz
+      schedule, steps, precision, scale; NorDion2's β is
+      ``muon_momentum``; no ``muon_tp_mode``).
     lr: learning rate of both groups (verl's default 1e-6, for fine-tuning;
       ``build`` may pass a schedule instead).
     adam_lr: the AdamW (scalar) group's own learning rate with
@@ -101,6 +112,10 @@ class MuonConfig:
     adaptive_muon_moment2_method: ``"adamuon"``, ``"normuon"`` or ``"namo"``.
     adaptive_muon_beta2: the second moment's decay, [0, 1).
     adaptive_muon_eps: the second moment's eps, >= 0.
+    muon_bp_period: MuonBP's full orthogonalization every this many steps.
+    dion2_fraction: the share of slices Dion2 / NorDion2 orthogonalize, (0, 1].
+    dion2_ef_decay: Dion2's error-feedback decay, [0, 1].
+    nordion2_beta2: NorDion2's second-moment decay, [0, 1).
   """
 
   optimizer: str = "adam"
@@ -134,6 +149,10 @@ class MuonConfig:
   adaptive_muon_moment2_method: types.Moment2Method = "adamuon"
   adaptive_muon_beta2: float = 0.95
   adaptive_muon_eps: float = 1e-8
+  muon_bp_period: int = 5
+  dion2_fraction: float = 0.25
+  dion2_ef_decay: float = 0.95
+  nordion2_beta2: float = 0.95
 
   def __post_init__(self):
     hints = typing.get_type_hints(type(self))
@@ -184,6 +203,31 @@ class MuonConfig:
       "adaptive_muon_eps", self.adaptive_muon_eps, 0.0, math.inf
     )
     _checks.check_int("muon_num_ns_steps", self.muon_num_ns_steps, minimum=1)
+    _checks.check_int("muon_bp_period", self.muon_bp_period, minimum=1)
+    if not 0 < self.dion2_fraction <= 1:
+      raise ValueError(
+        f"dion2_fraction={self.dion2_fraction!r} is not accepted; accepted "
+        "values: (0, 1]"
+      )
+    _checks.check_range("dion2_ef_decay", self.dion2_ef_decay, 0.0, 1.0 + 1e-12)
+    _checks.check_range("nordion2_beta2", self.nordion2_beta2, 0.0, 1.0)
+    if self.optimizer in WITHOUT_TP_MODE and (
+      self.muon_tp_mode is not None or self.use_layer_wise_distributed_optimizer
+    ):
+      raise ValueError(
+        f"optimizer={self.optimizer!r} has no muon_tp_mode or "
+        "use_layer_wise_distributed_optimizer yet (its update is the same "
+        "on any sharding; XLA partitions it under jit); unset them, or use "
+        f"optimizer='muon' or 'muon_bp'"
+      )
+    if (
+      self.optimizer in WITHOUT_TP_MODE and self.muon_momentum_bits is not None
+    ):
+      raise ValueError(
+        f"muon_momentum_bits={self.muon_momentum_bits} is not accepted with "
+        f"optimizer={self.optimizer!r} (its momentum is a sum kept in the "
+        "param's dtype); accepted: None"
+      )
     waves.check_memory_budget(self.muon_memory_budget, "muon_memory_budget")
     if self.muon_momentum_bits not in (None, 8):
       raise ValueError(
@@ -233,7 +277,9 @@ class MuonConfig:
     ignored = sorted(
       n
       for n in fields
-      if n.startswith(("muon_", "adam_lr", "adaptive_muon_"))
+      if n.startswith(
+        ("muon_", "adam_lr", "adaptive_muon_", "dion2_", "nordion2_")
+      )
       and getattr(config, n) != getattr(defaults, n)
     )
     if config.optimizer == "adam" and ignored:
@@ -376,7 +422,7 @@ class MuonConfig:
         *clip_logits,
       )
     sharding = None
-    if mesh is not None:
+    if mesh is not None and self.optimizer not in WITHOUT_TP_MODE:
       axes = list(mesh.axis_names)
       if tp_axis not in axes:
         raise ValueError(
@@ -391,8 +437,11 @@ class MuonConfig:
             f"mesh axis named 'data'; the mesh has {axes}"
           )
         distribute = "data"
+      mode = self.tp_mode
+      if self.optimizer == "muon_bp" and self.muon_tp_mode is None:
+        mode = "auto"  # its block steps are blockwise; full steps exact
       sharding = sharding_lib.TensorParallel(
-        mesh, tp_axis, self.tp_mode, specs=specs, distribute_over=distribute
+        mesh, tp_axis, mode, specs=specs, distribute_over=distribute
       )
     elif self.use_layer_wise_distributed_optimizer:
       raise ValueError(
@@ -422,6 +471,12 @@ class MuonConfig:
         beta2=self.adaptive_muon_beta2,
         moment2_eps=self.adaptive_muon_eps,
       )
+    elif self.optimizer == "muon_bp":
+      optimizer = functools.partial(
+        muon_bp_lib.muon_bp, period=self.muon_bp_period
+      )
+    elif self.optimizer in WITHOUT_TP_MODE:
+      optimizer = self._dion2_family
     else:
       optimizer = alias.muon
     tx = optax.chain(
@@ -475,6 +530,28 @@ class MuonConfig:
       return tx.init(params)
 
     return optax.GradientTransformationExtraArgs(init_fn, tx.update)
+
+  def _dion2_family(
+    self, learning_rate, *, beta, nesterov, momentum_style, sharding, **kwargs
+  ):
+    """``om.dion2`` or ``om.nordion2`` from ``build``'s Muon keywords: the
+    momentum's (a sum, decayed where selected) and ``sharding`` (``None``
+    here: no mesh reaches them) do not apply."""
+    del nesterov, momentum_style, sharding
+    if self.optimizer == "dion2":
+      return dion2_lib.dion2(
+        learning_rate,
+        fraction=self.dion2_fraction,
+        ef_decay=self.dion2_ef_decay,
+        **kwargs,
+      )
+    return dion2_lib.nordion2(
+      learning_rate,
+      fraction=self.dion2_fraction,
+      beta=beta,
+      beta2=self.nordion2_beta2,
+      **kwargs,
+    )
 
 
 def _check_no_fused_qkv(params) -> None:
