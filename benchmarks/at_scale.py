@@ -320,6 +320,22 @@ def optimizers(
     if mode == "optax.contrib.muon":
       out[mode] = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
       continue
+    if mode == "dion2":  # its selection gathers an explicitly sharded matrix
+      out[mode] = om.dion2(0.02, labels=labels, dimension_numbers=dims, **extra)
+      continue
+    if mode == "muon_bp":  # full steps allgather, block steps blockwise
+      full = om.TensorParallel(
+        mesh, "model", "allgather", specs=specs, distribute_over=distribute_over
+      )
+      out[mode] = om.muon_bp(
+        0.02,
+        period=MUON_BP_PERIOD,
+        labels=labels,
+        dimension_numbers=dims,
+        sharding=full,
+        **extra,
+      )
+      continue
     sharding = (
       None
       if mode == "unsharded"
@@ -436,7 +452,8 @@ def measure(tx, params, name, offload=False):
   return record
 
 
-MODES = (*om.TensorParallel.MODES, "optax.contrib.muon")
+MODES = (*om.TensorParallel.MODES, "muon_bp", "dion2", "optax.contrib.muon")
+MUON_BP_PERIOD = 5
 NOT_COUNTED = (
   "Per device, one optimizer update: params + grads + optimizer state + the "
   "update's temporaries (temp). Not counted: activations, the forward and "
@@ -592,6 +609,26 @@ def add_modeled_time(record: dict, flat, mesh, args) -> None:
     )
 
 
+def add_muon_bp_average(records: dict) -> None:
+  """MuonBP's collectives per step on average: its full step's (allgather's
+  program) once and its block step's (blockwise's) ``period − 1`` times in
+  ``period`` steps; and that over allgather's per step."""
+  bp, full, block = (
+    records.get(m) for m in ("muon_bp", "allgather", "blockwise")
+  )
+  if not (
+    bp and full and block and full.get("compiled") and block.get("compiled")
+  ):
+    return
+  f, b = full["collective_total_gib"], block["collective_total_gib"]
+  average = (f + (MUON_BP_PERIOD - 1) * b) / MUON_BP_PERIOD
+  bp.update(
+    period=MUON_BP_PERIOD,
+    per_step_collective_gib=average,
+    per_step_over_allgather=average / f if f else None,
+  )
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
@@ -714,9 +751,13 @@ def main(argv=None):
   modes = args.modes
   if dp * tp == 1:  # one device: no tensor parallelism to choose
     modes = ["unsharded"] + [m for m in modes if m == "optax.contrib.muon"]
+  if "muon_bp" in modes:  # its average step is read from its two programs
+    modes = list(dict.fromkeys([*modes, "blockwise", "allgather"]))
   records = {}
   if args.momentum != "param" or args.offload:  # options of om.muon only
     modes = [m for m in modes if m != "optax.contrib.muon"]
+  if args.momentum == "8bit":  # dion2's momentum is a sum in a float dtype
+    modes = [m for m in modes if m != "dion2"]
   built = optimizers(
     flat,
     mesh,
@@ -750,6 +791,7 @@ def main(argv=None):
     }
     add_modeled_time(record, flat, mesh, args)
     records[name] = record
+  add_muon_bp_average(records)
   base = records.get("duplicated", {}).get("collective_total_gib")
   for record in records.values():
     total = record.get("collective_total_gib")

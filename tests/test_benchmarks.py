@@ -247,6 +247,8 @@ def test_at_scale_compiles_every_mode_on_abstract_shapes():
     "distributed",
     "allgather",
     "auto",
+    "muon_bp",
+    "dion2",
     "optax.contrib.muon",
   }
   for record in records.values():
@@ -262,6 +264,13 @@ def test_at_scale_compiles_every_mode_on_abstract_shapes():
   assert records["allgather"]["collective_total_gib"] / gathers == (
     pytest.approx(0.25)
   )
+  # MuonBP's program holds both steps: its collectives are the full step's
+  # (allgather's) and the block steps add none, so a step sends 1/period
+  bp = records["muon_bp"]
+  assert bp["collective_total_gib"] == pytest.approx(
+    records["allgather"]["collective_total_gib"]
+  )
+  assert bp["per_step_over_allgather"] == pytest.approx(1 / bp["period"])
 
 
 def test_at_scale_auto_models_no_more_time_than_the_best_exact_mode():

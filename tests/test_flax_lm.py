@@ -212,11 +212,11 @@ def test_bad_run_overrides_raise():
     config_lib.run_config(["model.n_head=5"])
 
 
-def test_the_first_command_compares_three_contestants_and_all_five(
+def test_the_first_command_compares_three_contestants_and_all_seven(
   monkeypatch, capsys
 ):
   # the README's first command (compare's defaults) runs AdamW, optax_muon
-  # and optax.contrib.muon; --all adds NorMuon and AdaMuon
+  # and optax.contrib.muon; --all adds NorMuon, AdaMuon, Dion2, NorDion2
   calls = []
 
   def fake_compare(overrides, **kwargs):
@@ -233,7 +233,9 @@ def test_the_first_command_compares_three_contestants_and_all_five(
   assert compare_lib.main(["--all"])["ran"] == [
     "adam",
     "adamuon",
+    "dion2",
     "muon",
+    "nordion2",
     "normuon",
     "optax",
   ]

@@ -1,14 +1,16 @@
 """Muon, optax.contrib.muon and AdamW at the same budget, each at its best lr.
 
     python -m examples.flax_lm.compare                 # tiny preset, 22 runs
-    python -m examples.flax_lm.compare --all           # and NorMuon, AdaMuon
+    python -m examples.flax_lm.compare --all           # and NorMuon, AdaMuon, Dion2
     python -m examples.flax_lm.compare preset=small    # the README's table
 
 By default three contestants: ``muon`` (optax_muon through ``MuonConfig``),
 ``optax`` (``optax.contrib.muon`` as a user calls it: its defaults, the
 example's lr schedule, weight decay and clipping) and ``adam`` (AdamW);
 ``--all`` adds ``normuon`` and ``adamuon``
-(``MuonConfig(optimizer="adaptive_muon")`` with the example's Muon settings);
+(``MuonConfig(optimizer="adaptive_muon")`` with the example's Muon settings),
+``dion2`` and ``nordion2`` (``optimizer="dion2"`` / ``"nordion2"``, a
+quarter of each matrix's slices a step, with the same settings);
 ``muon8bit``, optax_muon's Muon with its momentum in 8 bits, runs when
 ``--lrs`` names it. ``--lrs`` runs a subset. Each sweeps its
 own lrs with two seeds (model init and batches) and is ranked by the mean
@@ -49,6 +51,10 @@ CONTESTANTS = {
   "adamuon": (ADAPTIVE, "optim.adaptive_muon_moment2_method=adamuon"),
   # optax_muon's Muon with its momentum in 8 bits (om.QuantizedMomentum)
   "muon8bit": ("optim.optimizer=muon", "optim.muon_momentum_bits=8"),
+  # a quarter of each matrix's slices a step (om.dion2, om.nordion2); on one
+  # device MuonBP (om.muon_bp) is Muon, so it is not a contestant here
+  "dion2": ("optim.optimizer=dion2",),
+  "nordion2": ("optim.optimizer=nordion2",),
 }
 LABELS = {
   "adam": "AdamW",
@@ -57,6 +63,8 @@ LABELS = {
   "normuon": "NorMuon (optax_muon)",
   "adamuon": "AdaMuon (optax_muon)",
   "muon8bit": "optax_muon, 8-bit momentum",
+  "dion2": "Dion2 (optax_muon, fraction 0.25)",
+  "nordion2": "NorDion2 (optax_muon, fraction 0.25)",
 }
 SWEEPS = {
   "tiny": {
@@ -66,6 +74,8 @@ SWEEPS = {
     "normuon": (3e-3, 1e-2, 2e-2),
     # AdaMuon divides by √v elementwise: its steps are ~10× Muon's at one lr
     "adamuon": (3e-4, 1e-3, 2e-3),
+    "dion2": (3e-3, 1e-2, 2e-2),
+    "nordion2": (3e-3, 1e-2, 2e-2),
   },
   "small": {
     "adam": (1e-3, 2e-3, 4e-3),
@@ -73,6 +83,8 @@ SWEEPS = {
     "optax": (4e-3, 8e-3, 1.6e-2),
     "normuon": (4e-3, 8e-3, 1.6e-2),
     "adamuon": (4e-4, 8e-4, 1.6e-3),
+    "dion2": (4e-3, 8e-3, 1.6e-2),
+    "nordion2": (4e-3, 8e-3, 1.6e-2),
   },
 }
 # the README's first command: the comparison the project exists for, within
