@@ -340,6 +340,35 @@ def test_the_modeled_time_table_is_the_recorded_compile():
         assert by_mode["auto"]["modeled_ms"] <= exact * (1 + 1e-9), label
 
 
+def test_the_muon_bp_and_dion2_table_is_the_recorded_compile():
+  """docs/scaling.md's MuonBP and Dion2 row at 70B, against the compile
+  `benchmarks/at_scale.py --modes muon_bp,dion2` wrote; MuonBP's step sends
+  at most a quarter of allgather's bytes and keeps temp under 8 GiB."""
+  path = ROOT / "results" / "at_scale" / "tpu_v5p_8_70b_family.jsonl"
+  runs = {
+    r["mode"]: r for r in map(json.loads, path.read_text().splitlines())
+  }
+  page = (ROOT / "docs" / "scaling.md").read_text()
+  gather = runs["allgather"]["collective_total_gib"]
+  bp = runs["muon_bp"]
+  dion2 = runs["dion2"]["collective_total_gib"]
+  row = (
+    f"| collective GiB per step | {gather:.1f} | "
+    f"{runs['blockwise']['collective_total_gib']:.1f} | "
+    f"{bp['per_step_collective_gib']:.1f} "
+    f"({bp['per_step_collective_gib'] / gather:.2f}× allgather) | "
+    f"{dion2:.1f} ({dion2 / gather:.2f}× allgather) |"
+  )
+  assert row in page, row
+  temps = " | ".join(
+    f"{runs[m]['temp_gib']:.1f}"
+    for m in ("allgather", "blockwise", "muon_bp", "dion2")
+  )
+  assert f"| temp GiB | {temps} |" in page
+  assert bp["per_step_collective_gib"] <= 0.25 * gather
+  assert bp["temp_gib"] <= 8
+
+
 def test_the_fsdp_table_is_the_recorded_compile():
   """docs/scaling.md's FSDP x TP figures, against the 64-chip TPU compiles
   `benchmarks/at_scale.py` wrote; each exact mode's bytes are the Muon
