@@ -520,7 +520,6 @@ def test_the_family_names_build_their_optimizer(overrides, build):
     ["lr=0.02", "clip_grad=0", "muon_fp32_matmul_prec=highest", *overrides]
   )
   params = {"w": gaussian((16, 32), 0), "b": jnp.zeros(32)}
-  grads = {"w": gaussian((16, 32), 1), "b": jnp.ones(32)}
   want_tx = build(
     0.02,
     coefficients="quintic",
@@ -530,9 +529,12 @@ def test_the_family_names_build_their_optimizer(overrides, build):
     adam_b2=0.999,
   )
   got_tx = cfg.build(params=params)
-  got, _ = got_tx.update(grads, got_tx.init(params), params)
-  want, _ = want_tx.update(grads, want_tx.init(params), params)
-  chex.assert_trees_all_close(got, want, atol=1e-7)
+  got_state, want_state = got_tx.init(params), want_tx.init(params)
+  for step in range(3):  # the momentum's settings act from the second step
+    grads = {"w": gaussian((16, 32), 1 + step), "b": jnp.ones(32)}
+    got, got_state = got_tx.update(grads, got_state, params)
+    want, want_state = want_tx.update(grads, want_state, params)
+    chex.assert_trees_all_close(got, want, atol=1e-7)
 
 
 @pytest.mark.parametrize(
