@@ -345,9 +345,7 @@ def test_the_muon_bp_and_dion2_table_is_the_recorded_compile():
   `benchmarks/at_scale.py --modes muon_bp,dion2` wrote; MuonBP's step sends
   at most a quarter of allgather's bytes and keeps temp under 8 GiB."""
   path = ROOT / "results" / "at_scale" / "tpu_v5p_8_70b_family.jsonl"
-  runs = {
-    r["mode"]: r for r in map(json.loads, path.read_text().splitlines())
-  }
+  runs = {r["mode"]: r for r in map(json.loads, path.read_text().splitlines())}
   page = (ROOT / "docs" / "scaling.md").read_text()
   gather = runs["allgather"]["collective_total_gib"]
   bp = runs["muon_bp"]
