@@ -23,6 +23,9 @@ from optax_muon._src.kernels.spectral import spectral_clipped_weight_decay
 from optax_muon._src.kernels.spectral import spectral_hardcap
 from optax_muon._src.optimizers.adaptive import adaptive_muon
 from optax_muon._src.optimizers.adaptive import scale_by_adaptive_muon
+from optax_muon._src.optimizers.dion import DionState
+from optax_muon._src.optimizers.dion import dion
+from optax_muon._src.optimizers.dion import scale_by_dion
 from optax_muon._src.optimizers.dion2 import Dion2State
 from optax_muon._src.optimizers.dion2 import dion2
 from optax_muon._src.optimizers.dion2 import nordion2
@@ -63,6 +66,7 @@ __all__ = (
   "COEFFICIENT_SETS",
   "DeviceRates",
   "Dion2State",
+  "DionState",
   "KNOWN_RATES",
   "Layout",
   "MuonBPState",
@@ -81,6 +85,7 @@ __all__ = (
   "coefficient_schedule",
   "default_labels",
   "describe",
+  "dion",
   "dion2",
   "hyperball",
   "infer_layout",
@@ -95,6 +100,7 @@ __all__ = (
   "polargrad",
   "qk_clip",
   "scale_by_adaptive_muon",
+  "scale_by_dion",
   "scale_by_dion2",
   "scale_by_moment2",
   "scale_by_muon",

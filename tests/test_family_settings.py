@@ -20,6 +20,7 @@ DIRECTIONS = (
   om.scale_by_adaptive_muon,
   om.scale_by_polargrad,
   om.scale_by_dion2,
+  om.scale_by_dion,
 )
 OPTIMIZERS = (
   om.adaptive_muon,
@@ -29,6 +30,7 @@ OPTIMIZERS = (
   om.muon_bp,
   om.dion2,
   om.nordion2,
+  om.dion,
 )
 
 

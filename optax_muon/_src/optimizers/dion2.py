@@ -56,7 +56,7 @@ class Dion2State(NamedTuple):
   variance: Any
 
 
-def _explicit_sharding(x):
+def explicit_sharding(x):
   """The explicit ``NamedSharding`` of ``x`` (``None`` when it has none:
   no mesh, or Auto axes, where XLA's partitioner places the selection)."""
   sharding = jax.typeof(x).sharding
@@ -65,17 +65,17 @@ def _explicit_sharding(x):
   return sharding if explicit else None
 
 
-def _whole(x):
+def replicated(x):
   """``x`` replicated when it is explicitly sharded: the top-k and its
   gather and scatter read whole matrices (the selection is global)."""
-  if _explicit_sharding(x) is None:
+  if explicit_sharding(x) is None:
     return x
   return jax.sharding.reshard(
     x, NamedSharding(jax.typeof(x).sharding.mesh, P())
   )
 
 
-def _like(x, sharding):
+def resharded(x, sharding):
   return x if sharding is None else jax.sharding.reshard(x, sharding)
 
 
@@ -232,7 +232,7 @@ def scale_by_dion2(
     variance = [
       tuple(
         jnp.zeros_like(piece[:, :1, :], jnp.float32)
-        for piece in view.to_matrices(_whole(leaf))
+        for piece in view.to_matrices(replicated(leaf))
       )
       for _, leaf, view in resolve_views(params)
     ]
@@ -243,10 +243,10 @@ def scale_by_dion2(
     del params
     treedef = jax.tree.structure(updates)
     specs = [
-      _explicit_sharding(m) for m in treedef.flatten_up_to(state.momentum)
+      explicit_sharding(m) for m in treedef.flatten_up_to(state.momentum)
     ]
     momenta = jax.tree.map(
-      lambda m, g: _whole(m + g.astype(m.dtype)), state.momentum, updates
+      lambda m, g: replicated(m + g.astype(m.dtype)), state.momentum, updates
     )
     views = resolve_views(momenta)
     variances = (
@@ -278,8 +278,8 @@ def scale_by_dion2(
         chosen = _selected_mask(piece.shape[axis], index, axis)
         decay = jnp.asarray(ef_decay, piece.dtype)
         decayed.append(jnp.where(chosen, decay * piece, piece))
-      directions.append(_like(view.from_matrices(pieces), spec))
-      new_momenta.append(_like(view.from_matrices(decayed), spec))
+      directions.append(resharded(view.from_matrices(pieces), spec))
+      new_momenta.append(resharded(view.from_matrices(decayed), spec))
       new_variances.append(tuple(moments))
     variance = (
       jax.tree.unflatten(treedef, new_variances) if normalize_neurons else None

@@ -74,6 +74,10 @@ DIFFERENT_DEFAULTS["dion2"] = {
 }
 for _name in ("nordion2", "scale_by_dion2"):
   DIFFERENT_DEFAULTS[_name] = DIFFERENT_DEFAULTS["dion2"]
+for _name in ("dion", "scale_by_dion"):
+  DIFFERENT_DEFAULTS[_name] = {
+    "scale_mode": DIFFERENT_DEFAULTS["dion2"]["scale_mode"]
+  }
 
 # The shared settings a member does not take, and why (its docstring says so
 # too). Everything else in DIRECTION (and, for the optimizers, ROUTING) it
@@ -107,6 +111,18 @@ NOT_APPLICABLE["dion2"] = {
   "sharding": _DION2_SHARDING,
 }
 NOT_APPLICABLE["scale_by_dion2"] = NOT_APPLICABLE["dion2"]
+_NO_NEWTON_SCHULZ = "no Newton–Schulz iteration: a QR of the rows × r product"
+NOT_APPLICABLE["dion"] = {
+  "beta": "the momentum is a sum; ef_decay decays the part the step captured",
+  "nesterov": "the momentum is a sum, approximated as it is",
+  "momentum_style": "the momentum is a sum (no 1 - beta on the gradient)",
+  **dict.fromkeys(
+    ("coefficients", "steps", "method", "preconditioning", "memory_budget"),
+    _NO_NEWTON_SCHULZ,
+  ),
+  "sharding": "not yet: under jax.jit XLA partitions sharded params",
+}
+NOT_APPLICABLE["scale_by_dion"] = NOT_APPLICABLE["dion"]
 NOT_APPLICABLE["nordion2"] = {
   name: NOT_APPLICABLE["dion2"][name]
   for name in ("nesterov", "momentum_style", "sharding")
