@@ -201,6 +201,23 @@ class StackTest(chex.TestCase):
       chex.assert_trees_all_close(stacked["w"][i], alone["w"], atol=1e-5)
 
 
+def test_a_memory_budget_runs_a_stack_in_parts_with_the_same_step():
+  # 5 matrices of 24×40 at rank 12: wave_bytes 4·(3·40·24 + 3·40·12 +
+  # 3·24·12) = 20736 each; a 50000-byte budget runs parts of 2 (2, 2, 1)
+  stack = {"w": gaussian((5, 24, 40), 4)}
+  dims = {"w": om.MuonDimensionNumbers(reduction_axis=1, output_axis=2)}
+  whole = om.scale_by_dion(rank_fraction=0.5, dimension_numbers=dims)
+  parts = om.scale_by_dion(
+    rank_fraction=0.5, dimension_numbers=dims, memory_budget=50_000
+  )
+  hlo = jax.jit(parts.update).lower(stack, parts.init(stack)).as_text()
+  assert "while" in hlo  # the parts run one after another
+  want, want_state = whole.update(stack, whole.init(stack))
+  got, got_state = parts.update(stack, parts.init(stack))
+  chex.assert_trees_all_close(got, want, atol=1e-6, rtol=0)
+  chex.assert_trees_all_close(got_state, want_state, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize(
   "kwargs, field",
   [
@@ -217,6 +234,7 @@ class StackTest(chex.TestCase):
     (dict(precision="fp64"), "precision"),
     (dict(scale_mode="rms"), "scale_mode"),
     (dict(mu_dtype=om.QuantizedMomentum()), "mu_dtype"),
+    (dict(memory_budget=0), "memory_budget"),
   ],
 )
 def test_bad_input_names_the_field(kwargs, field):

@@ -38,6 +38,7 @@ from optax_muon._src.optimizers.dion2 import explicit_sharding
 from optax_muon._src.optimizers.dion2 import replicated
 from optax_muon._src.optimizers.dion2 import resharded
 from optax_muon._src.optimizers.route import route
+from optax_muon._src.parallel import waves
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.transforms.scaling import resolve_extra_scale_factor
@@ -47,8 +48,8 @@ from optax_muon._src.views.layout import from_layout
 
 class DionState(NamedTuple):
   """Per leaf, the momentum (the leaf's shape) and, per matrix piece, the
-  power iteration's ``Q`` ``(matrices, n, r)`` in float32, ``n`` the
-  shorter side."""
+  power iteration's ``Q`` ``(matrices, n, r)`` in the momentum's dtype
+  (microsoft/dion's default: the param's), ``n`` the shorter side."""
 
   momentum: Any
   q: Any
@@ -102,6 +103,25 @@ def dion_step(b, q, *, ef_decay, power_iters, epsilon, precision):
   return direction, momentum, q
 
 
+def wave_bytes(rows: int, n: int, r: int) -> int:
+  """The float32 bytes one matrix's step keeps live, whole: ``B``, its
+  captured part and the direction (``rows × n`` each), ``P`` and the QR's
+  workspace (``rows × r``), ``Q`` and ``R`` (``n × r``)."""
+  return 4 * (3 * rows * n + 3 * rows * r + 3 * n * r)
+
+
+def _in_waves(step, tall, q, budget: int):
+  """``step`` over the stack ``(tall, q)`` in parts of at most ``budget``
+  bytes (``wave_bytes``), one part after another (``lax.map``): a 70B
+  model's scanned stack in float32 at once is hundreds of GiB."""
+  count, rows, n = tall.shape
+  per_matrix = wave_bytes(rows, n, q.shape[-1])
+  part = max(1, min(count, budget // per_matrix))
+  if part >= count:
+    return step(tall, q)
+  return jax.lax.map(lambda x: step(*x), (tall, q), batch_size=part)
+
+
 def scale_by_dion(
   *,
   rank_fraction: types.Numeric = 1.0,
@@ -112,6 +132,7 @@ def scale_by_dion(
   seed: int = 0,
   mu_dtype: types.MomentumDtype = None,
   precision: types.Precision = "highest",
+  memory_budget: int | None = None,
   scale_mode: types.ScaleMode = "unit_rms_norm",
   extra_scale_factor: types.Numeric | None = None,
   match_adamw_update_rms: bool = False,
@@ -124,13 +145,15 @@ def scale_by_dion(
   r"""Dion's direction: see the module docstring for the update.
 
   ``mu_dtype``, ``precision`` (of the power iteration's products; the QR is
-  float32), ``extra_scale_factor``, ``match_adamw_update_rms``,
+  float32), ``memory_budget`` (the bytes per device of a wave: a stack's
+  matrices run in parts whose float32 working set, ``wave_bytes``, fits
+  it), ``extra_scale_factor``, ``match_adamw_update_rms``,
   ``dimension_numbers``, ``split_qkv``, ``split_gate_up`` and ``layout``
   are ``scale_by_muon``'s; ``scale_mode`` defaults to microsoft/dion's
   ``√(fan_out/fan_in)`` (``"unit_rms_norm"``). ``beta``, ``nesterov`` and
   ``momentum_style`` do not apply: the momentum is a sum whose captured
   part decays by ``ef_decay``; nor do ``coefficients``, ``steps``,
-  ``method``, ``preconditioning`` and ``memory_budget``: there is no
+  ``method`` and ``preconditioning``: there is no
   Newton–Schulz iteration, only a QR of the ``rows × r`` product; nor does
   ``sharding`` yet (see ``dion``).
 
@@ -178,6 +201,7 @@ def scale_by_dion(
   _checks.check_choice("precision", precision, matrices.PRECISIONS)
   _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
   mu_dtype = canonical_dtype("mu_dtype", mu_dtype)
+  budget = waves.resolve(memory_budget)
   _, dimension_numbers = from_layout(layout, None, dimension_numbers)
   extra = resolve_extra_scale_factor(
     extra_scale_factor, match_adamw_update_rms, adamw_beta1
@@ -196,10 +220,12 @@ def scale_by_dion(
     for _, leaf, view in resolve_views(params):
       pieces = []
       batch = math.prod(view.batch_shape)
+      dtype = mu_dtype or jnp.result_type(leaf)
       for fan_in, fan_out in view.matrix_shapes:
         r = dion_rank(rank_fraction, rank_multiple_of, (fan_in, fan_out))
         shape = (batch, min(fan_in, fan_out), r)
-        pieces.append(jax.random.normal(jax.random.fold_in(key, count), shape))
+        q = jax.random.normal(jax.random.fold_in(key, count), shape)
+        pieces.append(q.astype(dtype))
         count += 1
       qs.append(tuple(pieces))
     return DionState(
@@ -224,16 +250,26 @@ def scale_by_dion(
       # from positions
       for i, piece in enumerate(view.to_matrices(b)):
         tall, turned = _tall(piece)
-        direction, momentum, q = dion_step(
-          tall,
-          leaf_qs[i],
-          ef_decay=ef_decay,
-          power_iters=power_iters,
-          epsilon=epsilon,
-          precision=precision,
-        )
-        pieces.append(_untall(direction, turned).astype(piece.dtype))
-        kept.append(_untall(momentum, turned).astype(piece.dtype))
+        q_dtype = leaf_qs[i].dtype
+
+        def step(tall, q, dtype=piece.dtype, q_dtype=q_dtype):
+          direction, momentum, q = dion_step(
+            tall,
+            q.astype(jnp.float32),
+            ef_decay=ef_decay,
+            power_iters=power_iters,
+            epsilon=epsilon,
+            precision=precision,
+          )
+          return (
+            direction.astype(dtype),
+            momentum.astype(dtype),
+            q.astype(q_dtype),
+          )
+
+        direction, momentum, q = _in_waves(step, tall, leaf_qs[i], budget)
+        pieces.append(_untall(direction, turned))
+        kept.append(_untall(momentum, turned))
         new_qs.append(q)
       directions.append(resharded(view.from_matrices(pieces), sharding))
       momenta.append(resharded(view.from_matrices(kept), sharding))
@@ -262,6 +298,7 @@ def dion(
   seed: int = 0,
   mu_dtype: types.MomentumDtype = None,
   precision: types.Precision = "highest",
+  memory_budget: int | None = None,
   scale_mode: types.ScaleMode = "unit_rms_norm",
   extra_scale_factor: types.Numeric | None = None,
   match_adamw_update_rms: bool = False,
@@ -281,8 +318,8 @@ def dion(
 
   ``beta``, ``nesterov`` and ``momentum_style`` do not apply (the momentum
   is a sum; ``ef_decay`` decays what the low-rank step captured); nor do
-  ``coefficients``, ``steps``, ``method``, ``preconditioning`` and
-  ``memory_budget`` (no Newton–Schulz: a QR); nor ``sharding`` yet: sharded
+  ``coefficients``, ``steps``, ``method`` and ``preconditioning`` (no
+  Newton–Schulz: a QR); nor ``sharding`` yet: sharded
   params are partitioned by XLA under ``jax.jit`` (a row-sharded ``B``
   gives a row-sharded ``B Q`` and an all-reduced ``Bᵀ P``: Dion's own
   traffic), and explicitly sharded ones are gathered for the step.

@@ -117,7 +117,7 @@ NOT_APPLICABLE["dion"] = {
   "nesterov": "the momentum is a sum, approximated as it is",
   "momentum_style": "the momentum is a sum (no 1 - beta on the gradient)",
   **dict.fromkeys(
-    ("coefficients", "steps", "method", "preconditioning", "memory_budget"),
+    ("coefficients", "steps", "method", "preconditioning"),
     _NO_NEWTON_SCHULZ,
   ),
   "sharding": "not yet: under jax.jit XLA partitions sharded params",
