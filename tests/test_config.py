@@ -60,6 +60,7 @@ DEFAULTS = {
   "dion2_fraction": 0.25,
   "dion2_ef_decay": 0.95,
   "nordion2_beta2": 0.95,
+  "dion_rank_fraction": 1.0,
 }
 
 
@@ -508,6 +509,12 @@ def test_a_null_weight_decay_is_a_clear_error(value):
       lambda lr, **kw: om.nordion2(lr, beta=0.9, beta2=0.99, **kw),
     ),
     (
+      ["optimizer=dion", "muon_momentum=0.9", "dion_rank_fraction=0.5"],
+      lambda lr, coefficients, **kw: om.dion(
+        lr, ef_decay=0.9, rank_fraction=0.5, **kw
+      ),
+    ),
+    (
       ["optimizer=muon_bp", "muon_bp_period=3"],
       lambda lr, **kw: om.muon_bp(
         lr, period=3, beta=0.95, nesterov=False, **kw
@@ -546,6 +553,8 @@ def test_the_family_names_build_their_optimizer(overrides, build):
     (["optimizer=dion2", "dion2_ef_decay=-1"], "dion2_ef_decay"),
     (["optimizer=nordion2", "nordion2_beta2=1"], "nordion2_beta2"),
     (["optimizer=muon_bp", "muon_bp_period=0"], "muon_bp_period"),
+    (["optimizer=dion", "dion_rank_fraction=0"], "dion_rank_fraction"),
+    (["optimizer=dion", "muon_tp_mode=blockwise"], "muon_tp_mode"),
   ],
 )
 def test_the_family_names_reject_what_they_cannot_do(overrides, field):

@@ -212,7 +212,7 @@ def test_bad_run_overrides_raise():
     config_lib.run_config(["model.n_head=5"])
 
 
-def test_the_first_command_compares_three_contestants_and_all_seven(
+def test_the_first_command_compares_three_contestants_and_all_eight(
   monkeypatch, capsys
 ):
   # the README's first command (compare's defaults) runs AdamW, optax_muon
@@ -233,6 +233,7 @@ def test_the_first_command_compares_three_contestants_and_all_seven(
   assert compare_lib.main(["--all"])["ran"] == [
     "adam",
     "adamuon",
+    "dion",
     "dion2",
     "muon",
     "nordion2",

@@ -1,7 +1,7 @@
 """Muon, optax.contrib.muon and AdamW at the same budget, each at its best lr.
 
     python -m examples.flax_lm.compare                 # tiny preset, 22 runs
-    python -m examples.flax_lm.compare --all           # and NorMuon, AdaMuon, Dion2
+    python -m examples.flax_lm.compare --all           # and NorMuon, AdaMuon, Dion2, Dion
     python -m examples.flax_lm.compare preset=small    # the README's table
 
 By default three contestants: ``muon`` (optax_muon through ``MuonConfig``),
@@ -10,7 +10,8 @@ example's lr schedule, weight decay and clipping) and ``adam`` (AdamW);
 ``--all`` adds ``normuon`` and ``adamuon``
 (``MuonConfig(optimizer="adaptive_muon")`` with the example's Muon settings),
 ``dion2`` and ``nordion2`` (``optimizer="dion2"`` / ``"nordion2"``, a
-quarter of each matrix's slices a step, with the same settings);
+quarter of each matrix's slices a step, with the same settings) and
+``dion`` (``optimizer="dion"`` at a quarter of each matrix's rank);
 ``muon8bit``, optax_muon's Muon with its momentum in 8 bits, runs when
 ``--lrs`` names it. ``--lrs`` runs a subset. Each sweeps its
 own lrs with two seeds (model init and batches) and is ranked by the mean
@@ -55,6 +56,8 @@ CONTESTANTS = {
   # device MuonBP (om.muon_bp) is Muon, so it is not a contestant here
   "dion2": ("optim.optimizer=dion2",),
   "nordion2": ("optim.optimizer=nordion2",),
+  # Dion's low-rank step at a quarter of the shorter side (om.dion)
+  "dion": ("optim.optimizer=dion", "optim.dion_rank_fraction=0.25"),
 }
 LABELS = {
   "adam": "AdamW",
@@ -65,6 +68,7 @@ LABELS = {
   "muon8bit": "optax_muon, 8-bit momentum",
   "dion2": "Dion2 (optax_muon, fraction 0.25)",
   "nordion2": "NorDion2 (optax_muon, fraction 0.25)",
+  "dion": "Dion (optax_muon, rank fraction 0.25)",
 }
 SWEEPS = {
   "tiny": {
@@ -76,6 +80,7 @@ SWEEPS = {
     "adamuon": (3e-4, 1e-3, 2e-3),
     "dion2": (3e-3, 1e-2, 2e-2),
     "nordion2": (3e-3, 1e-2, 2e-2),
+    "dion": (3e-3, 1e-2, 2e-2),
   },
   "small": {
     "adam": (1e-3, 2e-3, 4e-3),
@@ -85,6 +90,7 @@ SWEEPS = {
     "adamuon": (4e-4, 8e-4, 1.6e-3),
     "dion2": (4e-3, 8e-3, 1.6e-2),
     "nordion2": (4e-3, 8e-3, 1.6e-2),
+    "dion": (4e-3, 8e-3, 1.6e-2),
   },
 }
 # the README's first command: the comparison the project exists for, within

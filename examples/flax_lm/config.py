@@ -15,7 +15,14 @@ from optax_muon import MuonConfig
 
 MUON_IMPLS = ("optax_muon", "optax.contrib")
 # optimizers with a Newton–Schulz step (and the example's Muon settings)
-MUON_OPTIMIZERS = ("muon", "adaptive_muon", "muon_bp", "dion2", "nordion2")
+MUON_OPTIMIZERS = (
+  "muon",
+  "adaptive_muon",
+  "muon_bp",
+  "dion2",
+  "nordion2",
+  "dion",
+)
 
 
 def check_at_least(section: str, config, minimum: float, names) -> None:

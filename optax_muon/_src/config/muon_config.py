@@ -28,6 +28,7 @@ from optax_muon._src.config import overrides as overrides_lib
 from optax_muon._src.kernels import coefficients
 from optax_muon._src.kernels import matrices
 from optax_muon._src.optimizers import adaptive
+from optax_muon._src.optimizers import dion as dion_lib
 from optax_muon._src.optimizers import dion2 as dion2_lib
 from optax_muon._src.optimizers import muon as alias
 from optax_muon._src.optimizers import muon_bp as muon_bp_lib
@@ -42,10 +43,18 @@ from optax_muon._src.transforms import qk_clip as qk_clip_lib
 from optax_muon._src.transforms import scaling
 from optax_muon._src.views import layout as layout_lib
 
-OPTIMIZERS = ("adam", "muon", "adaptive_muon", "muon_bp", "dion2", "nordion2")
+OPTIMIZERS = (
+  "adam",
+  "muon",
+  "adaptive_muon",
+  "muon_bp",
+  "dion2",
+  "nordion2",
+  "dion",
+)
 # the members whose update has no tensor-parallel mode (yet): XLA partitions
 # them under jit
-WITHOUT_TP_MODE = ("dion2", "nordion2")
+WITHOUT_TP_MODE = ("dion2", "nordion2", "dion")
 TP_MODES = sharding_lib.MODES
 
 
@@ -62,7 +71,10 @@ class MuonConfig:
       ``"nordion2"`` (``om.dion2`` / ``om.nordion2`` with the ``dion2_*``
       settings and the ``muon_*`` ones that apply: the Newton–Schulz
       schedule, steps, precision, scale; NorDion2's β is
-      ``muon_momentum``; no ``muon_tp_mode``).
+      ``muon_momentum``; no ``muon_tp_mode``), or ``"dion"`` (``om.dion``
+      with ``dion_rank_fraction``, its ``ef_decay`` (microsoft/dion's
+      ``mu``) ``muon_momentum``; precision and scale apply, no
+      Newton–Schulz settings, no ``muon_tp_mode``).
     lr: learning rate of both groups (verl's default 1e-6, for fine-tuning;
       ``build`` may pass a schedule instead).
     adam_lr: the AdamW (scalar) group's own learning rate with
@@ -116,6 +128,8 @@ class MuonConfig:
     dion2_fraction: the share of slices Dion2 / NorDion2 orthogonalize, (0, 1].
     dion2_ef_decay: Dion2's error-feedback decay, [0, 1].
     nordion2_beta2: NorDion2's second-moment decay, [0, 1).
+    dion_rank_fraction: Dion's rank as a share of each matrix's shorter
+      side, (0, 1].
   """
 
   optimizer: str = "adam"
@@ -153,6 +167,7 @@ class MuonConfig:
   dion2_fraction: float = 0.25
   dion2_ef_decay: float = 0.95
   nordion2_beta2: float = 0.95
+  dion_rank_fraction: float = 1.0
 
   def __post_init__(self):
     hints = typing.get_type_hints(type(self))
@@ -211,6 +226,11 @@ class MuonConfig:
       )
     _checks.check_range("dion2_ef_decay", self.dion2_ef_decay, 0.0, 1.0 + 1e-12)
     _checks.check_range("nordion2_beta2", self.nordion2_beta2, 0.0, 1.0)
+    if not 0 < self.dion_rank_fraction <= 1:
+      raise ValueError(
+        f"dion_rank_fraction={self.dion_rank_fraction!r} is not accepted; "
+        "accepted values: (0, 1]"
+      )
     if self.optimizer in WITHOUT_TP_MODE and (
       self.muon_tp_mode is not None or self.use_layer_wise_distributed_optimizer
     ):
@@ -278,7 +298,14 @@ class MuonConfig:
       n
       for n in fields
       if n.startswith(
-        ("muon_", "adam_lr", "adaptive_muon_", "dion2_", "nordion2_")
+        (
+          "muon_",
+          "adam_lr",
+          "adaptive_muon_",
+          "dion2_",
+          "nordion2_",
+          "dion_",
+        )
       )
       and getattr(config, n) != getattr(defaults, n)
     )
@@ -475,6 +502,8 @@ class MuonConfig:
       optimizer = functools.partial(
         muon_bp_lib.muon_bp, period=self.muon_bp_period
       )
+    elif self.optimizer == "dion":
+      optimizer = self._dion
     elif self.optimizer in WITHOUT_TP_MODE:
       optimizer = self._dion2_family
     else:
@@ -550,6 +579,29 @@ class MuonConfig:
       fraction=self.dion2_fraction,
       beta=beta,
       beta2=self.nordion2_beta2,
+      **kwargs,
+    )
+
+  def _dion(
+    self,
+    learning_rate,
+    *,
+    beta,
+    nesterov,
+    momentum_style,
+    sharding,
+    coefficients,
+    steps,
+    **kwargs,
+  ):
+    """``om.dion`` from ``build``'s Muon keywords: ``muon_momentum`` is its
+    ``ef_decay``; the Newton–Schulz settings and ``sharding`` do not
+    apply."""
+    del nesterov, momentum_style, sharding, coefficients, steps
+    return dion_lib.dion(
+      learning_rate,
+      rank_fraction=self.dion_rank_fraction,
+      ef_decay=beta,
       **kwargs,
     )
 
