@@ -323,6 +323,15 @@ def optimizers(
     if mode == "dion2":  # its selection gathers an explicitly sharded matrix
       out[mode] = om.dion2(0.02, labels=labels, dimension_numbers=dims, **extra)
       continue
+    if mode == "dion":  # XLA partitions its products
+      out[mode] = om.dion(
+        0.02,
+        rank_fraction=DION_RANK_FRACTION,
+        labels=labels,
+        dimension_numbers=dims,
+        **extra,
+      )
+      continue
     if mode == "muon_bp":  # full steps allgather, block steps blockwise
       full = om.TensorParallel(
         mesh, "model", "allgather", specs=specs, distribute_over=distribute_over
@@ -452,8 +461,16 @@ def measure(tx, params, name, offload=False):
   return record
 
 
-MODES = (*om.TensorParallel.MODES, "muon_bp", "dion2", "optax.contrib.muon")
+MODES = (
+  *om.TensorParallel.MODES,
+  "muon_bp",
+  "dion2",
+  "dion",
+  "optax.contrib.muon",
+)
 MUON_BP_PERIOD = 5
+# Dion at a quarter of each matrix's rank: the share Dion2 orthogonalizes
+DION_RANK_FRACTION = 0.25
 NOT_COUNTED = (
   "Per device, one optimizer update: params + grads + optimizer state + the "
   "update's temporaries (temp). Not counted: activations, the forward and "
@@ -756,8 +773,8 @@ def main(argv=None):
   records = {}
   if args.momentum != "param" or args.offload:  # options of om.muon only
     modes = [m for m in modes if m != "optax.contrib.muon"]
-  if args.momentum == "8bit":  # dion2's momentum is a sum in a float dtype
-    modes = [m for m in modes if m != "dion2"]
+  if args.momentum == "8bit":  # dion2's and dion's momenta are sums in a
+    modes = [m for m in modes if m not in ("dion2", "dion")]  # float dtype
   built = optimizers(
     flat,
     mesh,

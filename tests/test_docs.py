@@ -367,6 +367,27 @@ def test_the_muon_bp_and_dion2_table_is_the_recorded_compile():
   assert bp["temp_gib"] <= 8
 
 
+def test_the_dion_paragraph_is_the_recorded_compile():
+  """docs/scaling.md's Dion figures at 70B, against the compile
+  `benchmarks/at_scale.py --modes dion,allgather` wrote."""
+  path = ROOT / "results" / "at_scale" / "tpu_v5p_8_70b_dion.jsonl"
+  runs = {r["mode"]: r for r in map(json.loads, path.read_text().splitlines())}
+  page = " ".join((ROOT / "docs" / "scaling.md").read_text().split())
+  dion, gather = runs["dion"], runs["allgather"]
+  total = dion["collective_total_gib"]
+  for figure in (
+    f"temp {dion['temp_gib']:.1f} GiB",
+    f"its state {dion['state_gib']:.1f} GiB per chip",
+    f"allgather's {gather['state_gib']:.1f} GiB",
+    f"**{total:,.0f} GiB** a step",
+    f"({dion['collective_gib']['all-gather']:,.0f} GiB all-gather",
+    f"{total / gather['collective_total_gib']:.0f}× allgather's "
+    f"{gather['collective_total_gib']:.1f}",
+  ):
+    assert figure in page, figure
+  assert dion["fits"]["80GB"]
+
+
 def test_the_fsdp_table_is_the_recorded_compile():
   """docs/scaling.md's FSDP x TP figures, against the 64-chip TPU compiles
   `benchmarks/at_scale.py` wrote; each exact mode's bytes are the Muon
