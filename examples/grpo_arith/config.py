@@ -58,7 +58,9 @@ class TrainConfig:
   # GRPO
   steps: int = 120
   prompts_per_step: int = 16
-  group_size: int = 8
+  # 16 samples a problem: 60 % of the groups carry a signal (46 % at 8),
+  # and the tiny preset's gain over SFT holds on both jax ends (README)
+  group_size: int = 16
   temperature: float = 0.7
   reward: str = "shaped"
   kl_coef: float = 0.04
@@ -103,7 +105,7 @@ class TrainConfig:
 
 
 PRESETS = {
-  # SFT + GRPO in under 10 minutes on 2 CPU cores
+  # SFT + GRPO in about 13 minutes on 2 CPU cores (README, Timing)
   "tiny": {
     "model": dict(n_layer=2, n_embd=96, n_head=4, block_size=152),
     "sft": dict(steps=400),
