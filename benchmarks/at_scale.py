@@ -323,10 +323,11 @@ def optimizers(
     if mode == "dion2":  # its selection gathers an explicitly sharded matrix
       out[mode] = om.dion2(0.02, labels=labels, dimension_numbers=dims, **extra)
       continue
-    if mode == "dion":  # XLA partitions its products
+    if mode == "dion":  # XLA partitions its products; rcqr's QR is small
       out[mode] = om.dion(
         0.02,
         rank_fraction=DION_RANK_FRACTION,
+        qr_method="rcqr",
         labels=labels,
         dimension_numbers=dims,
         **extra,

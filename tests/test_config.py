@@ -61,6 +61,7 @@ DEFAULTS = {
   "dion2_ef_decay": 0.95,
   "nordion2_beta2": 0.95,
   "dion_rank_fraction": 1.0,
+  "dion_qr_method": "qr",
 }
 
 
@@ -509,9 +510,14 @@ def test_a_null_weight_decay_is_a_clear_error(value):
       lambda lr, **kw: om.nordion2(lr, beta=0.9, beta2=0.99, **kw),
     ),
     (
-      ["optimizer=dion", "muon_momentum=0.9", "dion_rank_fraction=0.5"],
+      [
+        "optimizer=dion",
+        "muon_momentum=0.9",
+        "dion_rank_fraction=0.5",
+        "dion_qr_method=rcqr",
+      ],
       lambda lr, coefficients, **kw: om.dion(
-        lr, ef_decay=0.9, rank_fraction=0.5, **kw
+        lr, ef_decay=0.9, rank_fraction=0.5, qr_method="rcqr", **kw
       ),
     ),
     (
@@ -554,6 +560,7 @@ def test_the_family_names_build_their_optimizer(overrides, build):
     (["optimizer=nordion2", "nordion2_beta2=1"], "nordion2_beta2"),
     (["optimizer=muon_bp", "muon_bp_period=0"], "muon_bp_period"),
     (["optimizer=dion", "dion_rank_fraction=0"], "dion_rank_fraction"),
+    (["optimizer=dion", "dion_qr_method=householder"], "dion_qr_method"),
     (["optimizer=dion", "muon_tp_mode=blockwise"], "muon_tp_mode"),
   ],
 )

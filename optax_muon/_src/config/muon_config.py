@@ -130,6 +130,8 @@ class MuonConfig:
     nordion2_beta2: NorDion2's second-moment decay, [0, 1).
     dion_rank_fraction: Dion's rank as a share of each matrix's shorter
       side, (0, 1].
+    dion_qr_method: ``"qr"`` (Householder) or ``"rcqr"`` (microsoft/dion's
+      randomized Cholesky QR: what a sharded run wants; see ``om.dion``).
   """
 
   optimizer: str = "adam"
@@ -168,6 +170,7 @@ class MuonConfig:
   dion2_ef_decay: float = 0.95
   nordion2_beta2: float = 0.95
   dion_rank_fraction: float = 1.0
+  dion_qr_method: str = "qr"
 
   def __post_init__(self):
     hints = typing.get_type_hints(type(self))
@@ -231,6 +234,9 @@ class MuonConfig:
         f"dion_rank_fraction={self.dion_rank_fraction!r} is not accepted; "
         "accepted values: (0, 1]"
       )
+    _checks.check_choice(
+      "dion_qr_method", self.dion_qr_method, dion_lib.QR_METHODS
+    )
     if self.optimizer in WITHOUT_TP_MODE and (
       self.muon_tp_mode is not None or self.use_layer_wise_distributed_optimizer
     ):
@@ -601,6 +607,7 @@ class MuonConfig:
     return dion_lib.dion(
       learning_rate,
       rank_fraction=self.dion_rank_fraction,
+      qr_method=self.dion_qr_method,
       ef_decay=beta,
       **kwargs,
     )

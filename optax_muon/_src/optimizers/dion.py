@@ -76,22 +76,66 @@ def _untall(x: jax.Array, turned: bool) -> jax.Array:
   return jnp.swapaxes(x, -1, -2) if turned else x
 
 
-def _orthonormal(p: jax.Array) -> jax.Array:
+QR_METHODS = ("qr", "rcqr")
+# microsoft/dion's rcqr_oversample: the sketch has ⌈1.25 r / 128⌉ · 128 rows
+_OVERSAMPLE = 1.25
+
+
+def sketch_rows(r: int) -> int:
+  """The rows of rcqr's random sketch for rank ``r``."""
+  return 128 * math.ceil(_OVERSAMPLE * r / 128)
+
+
+def _householder(p: jax.Array) -> jax.Array:
   """An orthonormal basis of ``p``'s columns: its QR's ``Q`` (float32)."""
   return jnp.linalg.qr(p.astype(jnp.float32), mode="reduced")[0]
 
 
-def dion_step(b, q, *, ef_decay, power_iters, epsilon, precision):
+def _times_inverse(x: jax.Array, triangle: jax.Array, lower: bool):
+  """``x · triangle⁻¹`` as a product with the small inverse, so that a
+  row-sharded ``x`` stays sharded."""
+  eye = jnp.broadcast_to(jnp.eye(triangle.shape[-1]), triangle.shape)
+  inverse = jax.scipy.linalg.solve_triangular(triangle, eye, lower=lower)
+  return matrices.matmul(x, inverse, "highest")
+
+
+def _sketched_cholesky(p: jax.Array, key: jax.Array) -> jax.Array:
+  """microsoft/dion's randomized Cholesky QR (``rcqr``) of the tall ``p``:
+  ``R`` from the QR of the small sketch ``S p`` (``sketch_rows(r) × r``),
+  ``p R⁻¹``, then one Cholesky QR round. Only ``S p`` and an ``r × r``
+  Gram cross a sharded row axis, and the basis is QR's (its ``R`` upper
+  triangular), so the step is ``"qr"``'s up to rounding; a rank-deficient
+  ``p`` gives NaN, zeroed by the caller (as dion does)."""
+  p = p.astype(jnp.float32)
+  rows, r = p.shape[-2:]
+  count = sketch_rows(r)
+  sketch = jax.random.normal(key, (count, rows)) / math.sqrt(count)
+  upper = jnp.linalg.qr(matrices.matmul(sketch, p, "highest"), mode="r")
+  p = _times_inverse(p, upper, lower=False)
+  gram = matrices.matmul(jnp.swapaxes(p, -1, -2), p, "highest")
+  lower = jnp.linalg.cholesky(gram)  # gram = L Lᵀ: p L⁻ᵀ is orthonormal
+  return _times_inverse(p, jnp.swapaxes(lower, -1, -2), lower=False)
+
+
+def dion_step(
+  b, q, *, ef_decay, power_iters, epsilon, precision, sketch_key=None
+):
   """One Dion step on a tall stack ``b`` ``(matrices, rows, n)`` from ``q``
   ``(matrices, n, r)``: ``(direction P Qᵀ, new momentum, new Q)``, float32.
 
-  A zero matrix gives a zero direction and keeps its ``q``
-  (microsoft/dion's ``fix_all_zero_or_nan``)."""
+  ``P`` is orthonormalized by Householder QR, or by dion's randomized
+  Cholesky QR with ``sketch_key``. A zero matrix gives a zero direction and
+  keeps its ``q`` (microsoft/dion's ``fix_all_zero_or_nan``)."""
   b = b.astype(jnp.float32)
   transposed = jnp.swapaxes(b, -1, -2)
   r = q
   for _ in range(power_iters):
-    p = _orthonormal(matrices.matmul(b, r, precision))
+    p = matrices.matmul(b, r, precision)
+    p = (
+      _householder(p)
+      if sketch_key is None
+      else _sketched_cholesky(p, sketch_key)
+    )
     r = matrices.matmul(transposed, p, precision)
   zero = jnp.all(b == 0, axis=(-2, -1), keepdims=True)
   p = jnp.where(zero, 0.0, jnp.nan_to_num(p))
@@ -106,8 +150,9 @@ def dion_step(b, q, *, ef_decay, power_iters, epsilon, precision):
 def wave_bytes(rows: int, n: int, r: int) -> int:
   """The float32 bytes one matrix's step keeps live, whole: ``B``, its
   captured part and the direction (``rows × n`` each), ``P`` and the QR's
-  workspace (``rows × r``), ``Q`` and ``R`` (``n × r``)."""
-  return 4 * (3 * rows * n + 3 * rows * r + 3 * n * r)
+  workspace (``rows × r``), ``Q`` and ``R`` (``n × r``), rcqr's sketch."""
+  sketch = sketch_rows(r) * rows
+  return 4 * (3 * rows * n + 3 * rows * r + 3 * n * r + sketch)
 
 
 def _in_waves(step, tall, q, budget: int):
@@ -128,6 +173,7 @@ def scale_by_dion(
   rank_multiple_of: int = 1,
   ef_decay: types.Numeric = 0.95,
   power_iters: int = 1,
+  qr_method: str = "qr",
   epsilon: types.Numeric = 1e-8,
   seed: int = 0,
   mu_dtype: types.MomentumDtype = None,
@@ -163,6 +209,11 @@ def scale_by_dion(
     ef_decay: the error-feedback decay of the captured part (microsoft/
       dion's ``mu``), in ``[0, 1]``.
     power_iters: power iterations per step, ``≥ 1``.
+    qr_method: how ``P`` is orthonormalized: ``"qr"`` (Householder, in
+      float32; any rank) or ``"rcqr"`` (microsoft/dion's randomized
+      Cholesky QR, its default: matrix products and ``r × r`` factors
+      only, so a sharded ``P`` is not gathered; a rank-deficient ``P``
+      loses the columns after its first dependent one, as in dion).
     epsilon: the floor added to ``R``'s column norms.
     seed: the seed of the first ``Q`` (the same on every device).
 
@@ -196,6 +247,7 @@ def scale_by_dion(
       )
   if isinstance(seed, bool) or not isinstance(seed, int):
     raise ValueError(f"seed={seed!r} is not accepted; accepted values: an int")
+  _checks.check_choice("qr_method", qr_method, QR_METHODS)
   _checks.check_range("ef_decay", ef_decay, 0.0, 1.0 + 1e-12)
   _checks.check_range("epsilon", epsilon, 0.0, float("inf"))
   _checks.check_choice("precision", precision, matrices.PRECISIONS)
@@ -234,6 +286,11 @@ def scale_by_dion(
 
   def update_fn(updates, state, params=None):
     del params
+    sketch_key = (
+      jax.random.fold_in(jax.random.key(seed), 2**31 - 1)
+      if qr_method == "rcqr"
+      else None
+    )
     treedef = jax.tree.structure(updates)
     shardings = [
       explicit_sharding(m) for m in treedef.flatten_up_to(state.momentum)
@@ -260,6 +317,7 @@ def scale_by_dion(
             power_iters=power_iters,
             epsilon=epsilon,
             precision=precision,
+            sketch_key=sketch_key,
           )
           return (
             direction.astype(dtype),
@@ -294,6 +352,7 @@ def dion(
   rank_multiple_of: int = 1,
   ef_decay: types.Numeric = 0.95,
   power_iters: int = 1,
+  qr_method: str = "qr",
   epsilon: types.Numeric = 1e-8,
   seed: int = 0,
   mu_dtype: types.MomentumDtype = None,
@@ -333,6 +392,8 @@ def dion(
     rank_multiple_of: the rank rounded up to a multiple of this.
     ef_decay: the error-feedback decay (microsoft/dion's ``mu``).
     power_iters: power iterations per step.
+    qr_method: ``"qr"`` (Householder) or ``"rcqr"`` (dion's randomized
+      Cholesky QR, for sharded matrices; see ``scale_by_dion``).
     epsilon: the floor of ``R``'s column norms.
     seed: the seed of the first ``Q``.
     **scalar_kwargs: ``om.muon``'s ``scalar_optimizer`` and ``adam_*``
