@@ -25,10 +25,12 @@ import sys
 
 import numpy as np
 import torch
+from record_dion2 import SHAPES
+from record_dion2 import STEPS
+from record_dion2 import eager
+from record_dion2 import inputs
 
 HERE = pathlib.Path(__file__).parent
-SHAPES = [(64, 128), (128, 64), (96, 96)]  # torch's (out, in)
-STEPS = 5
 SETTINGS = {
   "defaults": {"lr": 0.01},
   "other": {
@@ -39,12 +41,6 @@ SETTINGS = {
     "power_iters": 2,
   },
 }
-
-
-def _eager(function=None, **options):
-  """``torch.compile`` as the identity (see ``record_dion2.py``)."""
-  del options
-  return function if function is not None else (lambda f: f)
 
 
 def run(reference, kwargs, weights, grads, dtype, start_q=None):
@@ -84,23 +80,11 @@ def run(reference, kwargs, weights, grads, dtype, start_q=None):
 
 
 def main(dion_path):
-  torch.compile = _eager
+  torch.compile = eager
   sys.path.insert(0, dion_path)
   from dion import dion_reference
 
-  rng = np.random.default_rng(0)  # record_dion2.py's inputs
-  weights = [
-    (rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for s in SHAPES
-  ]
-  grads = [
-    [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
-    for _ in range(STEPS)
-  ]
-  arrays = {}
-  for i, w in enumerate(weights):
-    arrays[f"weight_{i}"] = w
-    for step in range(STEPS):
-      arrays[f"grad_{step}_{i}"] = grads[step][i]
+  weights, grads, arrays = inputs()  # record_dion2.py's
   for setting, kwargs in SETTINGS.items():
     shipped = run(dion_reference, kwargs, weights, grads, torch.float32)
     exact = run(

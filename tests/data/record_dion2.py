@@ -119,20 +119,9 @@ def run(dion, name, kwargs, weights, grads, fp32):
       module.torch = original
 
 
-def _eager(function=None, **options):
-  """``torch.compile`` as the identity: dion's functions run as written (the
-  same operations; no C++ compiler needed, and ``fullgraph=True`` does not
-  fail where compiling is switched off)."""
-  del options
-  return function if function is not None else (lambda f: f)
-
-
-def main(dion_path):
-  torch.compile = _eager
-  sys.path.insert(0, dion_path)
-  import dion
-  from dion import polar_express
-
+def inputs():
+  """The weights, the gradients of each step, and both as the arrays the
+  recordings store (``weight_i``, ``grad_step_i``); fixed by seed 0."""
   rng = np.random.default_rng(0)
   weights = [
     (rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for s in SHAPES
@@ -146,6 +135,24 @@ def main(dion_path):
     arrays[f"weight_{i}"] = w
     for step in range(STEPS):
       arrays[f"grad_{step}_{i}"] = grads[step][i]
+  return weights, grads, arrays
+
+
+def eager(function=None, **options):
+  """``torch.compile`` as the identity: dion's functions run as written (the
+  same operations; no C++ compiler needed, and ``fullgraph=True`` does not
+  fail where compiling is switched off)."""
+  del options
+  return function if function is not None else (lambda f: f)
+
+
+def main(dion_path):
+  torch.compile = eager
+  sys.path.insert(0, dion_path)
+  import dion
+  from dion import polar_express
+
+  weights, grads, arrays = inputs()
   for setting, (name, kwargs) in SETTINGS.items():
     for variant, fp32 in (("shipped", False), ("fp32", True)):
       finals, momenta = run(dion, name, kwargs, weights, grads, fp32)
