@@ -399,8 +399,10 @@ def state_like(state, params, memory_kind=None):
   return jax.tree_util.tree_map_with_path(place, state)
 
 
-def measure(tx, params, name, offload=False):
-  """The compiled update's memory and collectives (or the refusal)."""
+def measure(tx, params, name, offload=False, donate=False):
+  """The compiled update's memory and collectives (or the refusal);
+  ``donate``: the gradients and state donated, as a training step does (the
+  update may then write into their buffers)."""
   state = state_like(
     jax.eval_shape(tx.init, params),
     params,
@@ -418,7 +420,12 @@ def measure(tx, params, name, offload=False):
   # params + grads + the device-resident state, before the update's temp
   record["pgs_gib"] = 2 * record["params_gib"] + record["state_device_gib"]
   try:
-    compiled = jax.jit(tx.update).lower(params, state, params).compile()
+    donated = (0, 1) if donate else ()
+    compiled = (
+      jax.jit(tx.update, donate_argnums=donated)
+      .lower(params, state, params)
+      .compile()
+    )
   except Exception as error:  # the TPU compiler's refusal is a result here
     text = str(error)
     record.update(
@@ -717,6 +724,12 @@ def main(argv=None):
     help="the optimizer state in pinned host memory (state_memory_kind)",
   )
   parser.add_argument(
+    "--donate",
+    action="store_true",
+    help="donate the gradients and the state to the update, as a training "
+    "step does (default: not, as the recorded figures were measured)",
+  )
+  parser.add_argument(
     "--precision",
     default="highest",
     choices=["highest", "high", "medium", "fp16", "bf16"],
@@ -803,9 +816,10 @@ def main(argv=None):
       "memory_budget": args.memory_budget,
       "momentum": args.momentum,
       "offload": args.offload,
+      "donate": args.donate,
       "mode": name,
       "precision": args.precision,
-      **measure(tx, params, name, args.offload),
+      **measure(tx, params, name, args.offload, args.donate),
     }
     add_modeled_time(record, flat, mesh, args)
     records[name] = record

@@ -213,6 +213,31 @@ def test_allgather_splits_a_stack_over_the_ranks():
   assert _largest(ag_hlo, "all-to-all") == 8 * 64 * 256 * 4 // 8
 
 
+@pytest.mark.parametrize("mode", ["duplicated", "allgather"])
+def test_a_stack_no_part_size_divides_runs_a_shorter_last_part(mode):
+  # 9 layers on TP 4: allgather's parts hold whole layers for every rank
+  # (multiples of 4), so 4 + 4 + 1 (the last padded with zero matrices);
+  # before, a count no part divided ran as one task, the whole stack at once
+  mesh = _mesh((2, 4))
+  params = {"stack": normal(jax.random.key(3), (9, 64, 256))}
+  specs = {"stack": P(None, None, "model")}
+  sharded = _put(params, specs, mesh)
+  build = lambda budget: om.orthogonalize(
+    dimension_numbers="leading",
+    sharding=om.TensorParallel(mesh, mode=mode, specs=specs),
+    memory_budget=budget,
+  )
+  _close(_update(build(TINY), sharded), _update(build(1 << 40), sharded))
+  hlo = jax.jit(build(TINY).update).lower(sharded, optax.EmptyState())
+  text = hlo.compile().as_text()
+  assert "while" in text
+  layer = 64 * 256 * 4
+  if mode == "allgather":  # a part of 4 layers' local shards, not 12
+    assert _largest(text, "all-to-all") == 4 * layer // 4
+  else:
+    assert _largest(text, "all-gather") == layer
+
+
 def test_per_layer_leaves_do_not_grow_the_temporaries_with_depth():
   mesh = _mesh((8,))
 
@@ -259,7 +284,7 @@ def _task(size, axis=None, count=1):
   )
 
 
-def test_plan_packs_whole_tasks_and_splits_stacks_into_divisor_parts():
+def test_plan_packs_whole_tasks_and_splits_stacks_into_parts():
   tasks = [_task(40), _task(50), _task(30), _task(100, axis=0, count=10)]
   planned = waves.plan(tasks, budget=100)
   sizes = [([t.bytes for t in wave], part) for wave, part in planned]
@@ -269,6 +294,10 @@ def test_plan_packs_whole_tasks_and_splits_stacks_into_divisor_parts():
   assert sizes == [([40, 50], 0), ([30], 0), ([100], 0)]
   planned = waves.plan([_task(120, axis=0, count=12)], budget=35)
   assert planned[0][1] == 3  # 3 slices of 10 bytes (a divisor of 12)
+  # 13 slices (a prime count of layers): parts of 3 and a last one of 1,
+  # not 13 parts of one
+  planned = waves.plan([_task(130, axis=0, count=13)], budget=35)
+  assert planned[0][1] == 3
   # a single matrix over the budget runs alone
   planned = waves.plan([_task(10), _task(500), _task(10)], budget=100)
   assert [[t.bytes for t in w] for w, _ in planned] == [[10], [500], [10]]

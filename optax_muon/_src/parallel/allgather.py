@@ -235,11 +235,7 @@ def _tasks(
   pool: list[WideMember] = []
   pooled = 0
   for member in members:
-    if (
-      member.axis is not None
-      and member.items >= 2 * quota
-      and member.x.shape[member.axis] % _allgather_unit(member, tp.size) == 0
-    ):
+    if member.axis is not None and member.items >= 2 * quota:
       tasks.append(_task([member], True, tp))
       continue
     if pool and pooled + member.items > quota:

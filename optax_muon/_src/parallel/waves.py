@@ -10,8 +10,9 @@ and the tasks run in **waves** of at most ``memory_budget`` bytes:
 * tasks that fit are packed into waves, in order; inside a wave same-shape
   matrices still run as one batched Newton–Schulz (``solve``);
 * a task over a stack (scanned layers, experts: a batch axis of the leaf)
-  that does not fit is split along that axis into equal parts, run one after
-  the other by a ``fori_loop`` that writes each part's result in place;
+  that does not fit is split along that axis into equal parts (and a
+  shorter last one where none divides it), run one after the other by a
+  ``fori_loop`` that writes each part's result in place;
 * waves are ordered in the program itself: each wave's inputs pass through
   one ``optimization_barrier`` with the previous wave's results and depend
   on one of them (``_one_after``), so no scheduler can start a wave before
@@ -198,13 +199,16 @@ def with_state(task: Task, states, step, finish_states) -> Task:
 
 
 def _part_size(count: int, fit: int, unit: int) -> int:
-  """The largest divisor of ``count`` that is at most ``fit`` (at least 1),
-  a multiple of ``unit`` where one is."""
-  divisors = [d for d in range(1, count + 1) if count % d == 0 and d <= fit]
-  if not divisors:
-    return 1
-  aligned = [d for d in divisors if d % unit == 0]
-  return max(aligned or divisors)
+  """Slices a part of a stack of ``count`` holds when ``fit`` fit the
+  budget: a multiple of ``unit`` (at least one unit), a divisor of ``count``
+  when one is more than half that many, else that many and a shorter last
+  part (``_solve_in_parts``): a prime count of layers is not cut into parts
+  of one."""
+  most = min(count, max(unit, fit - fit % unit))
+  divisors = [d for d in range(unit, most + 1, unit) if count % d == 0]
+  if divisors and 2 * divisors[-1] > most:
+    return divisors[-1]
+  return most
 
 
 def plan(tasks: Sequence[Task], budget: int) -> list[tuple[list[Task], int]]:
@@ -253,26 +257,32 @@ def _solve(tasks, inputs, solvers):
 
 
 def _solve_in_parts(task, inputs, part, solvers, one=None):
-  """A split task's outputs: a loop over its parts along ``task.axis``. The
-  loop carries the inputs and overwrites each part with its result once it
-  is read (parts are disjoint), so the results need no buffer of their own.
-  With ``one`` (``_one_after``) the loop starts at ``one - 1``: zero, known
-  only once the previous wave is done."""
+  """A split task's outputs: a loop over its parts along ``task.axis``, and
+  the last, shorter part after it when ``part`` does not divide the count.
+  The loop carries the inputs and overwrites each part with its result once
+  it is read (parts are disjoint), so the results need no buffer of their
+  own. With ``one`` (``_one_after``) the loop starts at ``one - 1``: zero,
+  known only once the previous wave is done."""
   axis = task.axis
   start = 0 if one is None else (one - 1).astype(jnp.int32)
 
-  def body(i, carried):
+  def solve_part(carried, begin, size):
     pieces = [
-      jax.lax.dynamic_slice_in_dim(x, i * part, part, axis=axis)
-      for x in carried
+      jax.lax.dynamic_slice_in_dim(x, begin, size, axis=axis) for x in carried
     ]
     (results,) = _solve([task], [pieces], solvers)
     return tuple(
-      jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), i * part, axis)
+      jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), begin, axis)
       for x, r in zip(carried, results)
     )
 
-  return list(jax.lax.fori_loop(start, task.count // part, body, tuple(inputs)))
+  full, rest = divmod(task.count, part)
+  carried = jax.lax.fori_loop(
+    start, full, lambda i, c: solve_part(c, i * part, part), tuple(inputs)
+  )
+  if rest:
+    carried = solve_part(carried, full * part, rest)
+  return list(carried)
 
 
 def _one_after(previous):
