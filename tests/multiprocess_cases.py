@@ -130,14 +130,7 @@ def zero1_two_steps():
   state = (state[0]._replace(mu=jax.device_put(state[0].mu, zero1)),) + state[
     1:
   ]
-  # told to keep the split (out_shardings), as zero1_sharding asks
-  step = jax.jit(
-    tx.update,
-    out_shardings=(
-      jax.tree.map(lambda x: x.sharding, sharded),
-      jax.tree.map(lambda x: x.sharding, state),
-    ),
-  )
+  step = jax.jit(tx.update)
   outs = []
   for t in range(2):
     grads = put(

@@ -394,57 +394,6 @@ def test_scale_by_muon_computes_the_8_bit_momentum_in_its_waves():
   )
 
 
-@pytest.mark.parametrize("mu_dtype", [None, jnp.bfloat16])
-def test_scale_by_muon_computes_a_plain_momentum_in_its_waves(mu_dtype):
-  # a float momentum too: the loop over a stack's parts carries the gradient
-  # and the momentum, each read a part at a time, where optax.chain(momentum,
-  # orthogonalize) carries the whole stack's Nesterov term u, computed before
-  # the loop (the TPU compiler keeps every stack's u live: 61-layer
-  # DeepSeek-V3, docs/scaling.md)
-  params = {f"stack{i}": gaussian((8, 256, 512), i) for i in range(2)}
-  dims = jax.tree.map(lambda _: om.MuonDimensionNumbers(1, 2), params)
-  budget = 3 << 20  # about one part of a stack
-  fused = om.scale_by_muon(
-    dimension_numbers=dims, memory_budget=budget, mu_dtype=mu_dtype
-  )
-  direction = optax.chain(
-    om.orthogonalize(dimension_numbers=dims, memory_budget=budget),
-    om.scale_by_shape(dimension_numbers=dims),
-  )
-  chained = optax.chain(om.momentum(dtype=mu_dtype), direction)
-
-  def loops(tx):
-    text = jax.jit(tx.update).lower(params, tx.init(params)).as_text()
-    lines = [line for line in text.splitlines() if "stablehlo.while" in line]
-    return [line.count("tensor<8x256x512x") for line in lines]
-
-  assert [n for n in loops(fused) if n] == [2, 2]  # gradient and momentum
-  assert [n for n in loops(chained) if n] == [1, 1]  # u alone
-  state = fused.init(params)
-  assert jax.tree.structure(state) == jax.tree.structure(
-    (chained.init(params)[0], *direction.init(params), optax.EmptyState())
-  )  # the chain's, flat: checkpoints carry over
-  # the formula, in float32, the buffer rounded to its dtype once a step
-  # (torch's lerp_ on a bf16 buffer does the same)
-  momentum = jax.tree.map(jnp.zeros_like, params)
-  for step in range(2):
-    grads = jax.tree.map(lambda x, s=step: jnp.cos(x * (s + 1.0)), params)
-    exact = jax.tree.map(lambda g, m: 0.05 * g + 0.95 * m, grads, momentum)
-    nesterov = jax.tree.map(lambda g, m: 0.05 * g + 0.95 * m, grads, exact)
-    momentum = jax.tree.map(
-      lambda m: m.astype(mu_dtype or m.dtype).astype(m.dtype), exact
-    )
-    got, state = jax.jit(fused.update)(grads, state)
-    want, _ = jax.jit(direction.update)(nesterov, direction.init(params))
-    chex.assert_trees_all_close(got, want, atol=2e-5)  # NS rounding
-    chex.assert_trees_all_close(
-      jax.tree.map(lambda m: m.astype(jnp.float32), state[0].mu),
-      momentum,
-      atol=1e-6,  # float32 rounding; a bf16 buffer within one of its ulps
-      rtol=0.0 if mu_dtype is None else 2.0**-7,
-    )
-
-
 def _nnx_model():
   from flax import nnx
 

@@ -22,11 +22,7 @@ def zero1_sharding(
   Each leaf keeps its spec (from ``specs``, a tree like ``tree``, or
   replicated) and its first unsharded axis that ``axis`` divides is split
   over ``axis``, so optimizer state (Muon's momentum) takes 1/N of the memory
-  per data-parallel rank. Use it for ``jax.device_put`` and for the training
-  step's ``out_shardings`` (or donate the state): Muon computes each leaf's
-  momentum inside the wave that orthogonalizes it, within the
-  tensor-parallel ``shard_map``, so the new state does not inherit the
-  split by propagation.
+  per data-parallel rank. Use it for ``jax.device_put`` and ``out_shardings``.
   An 8-bit leaf (``om.QuantizedMomentum``) splits its values and scales on
   the same axis, one that both divide, so each shard holds whole blocks.
 

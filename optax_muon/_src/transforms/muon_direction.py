@@ -6,16 +6,11 @@ before the first Newton–Schulz wave: the compiler then holds all the
 updates ``u`` at once (and, for an 8-bit momentum, every leaf dequantized to
 float32). Here each leaf's momentum is computed inside the task that
 orthogonalizes it (``waves.with_state``), a part at a time for a split
-stack, so the momentum work follows the memory budget: the Nesterov term
-of a float buffer is made a part at a time (the TPU compiler keeps every
-stack's otherwise: a 61-layer DeepSeek-V3 does not fit a v5p chip), an 8-bit
-buffer is dequantized a part at a time and a buffer kept in host memory
+stack, so the momentum work follows the memory budget: an 8-bit buffer is
+dequantized a part at a time and a buffer kept in host memory
 (``memory_kind="pinned_host"``) comes to the device a wave at a time.
-The numbers are the chain's up to rounding (the buffer is stepped in float32
-and rounded to its dtype once); the state is the chain's, ``(MomentumState,
-EmptyState)``. Inside a tensor-parallel ``shard_map`` the state is read
-and written with its param's spec: a state split further (ZeRO-1) keeps its
-split through the step's ``out_shardings``, not by propagation.
+The numbers are the chain's; the state is the chain's, ``(MomentumState,
+EmptyState)``.
 """
 
 from typing import Any
