@@ -1,9 +1,11 @@
 """Muon train step over AdamW train step on the example model.
 
-    python benchmarks/train_step.py [--quick] [preset=small ...]
+    python benchmarks/train_step.py [--quick] [--also=dion2,dion] [preset=small ...]
 
 Both steps are the example's jitted ``train_step`` (forward, backward,
-optimizer, donated buffers) on the same batch, timed in alternation.
+optimizer, donated buffers) on the same batch, timed in alternation;
+``--also`` times more ``optim.optimizer`` values in the same rounds and
+reports each over Muon's step.
 """
 
 import os
@@ -25,12 +27,18 @@ from examples.flax_lm.data import ByteCorpus  # noqa: E402
 
 def main():
   quick = quick_flag()
-  overrides = [a for a in sys.argv[1:] if "=" in a] or (
-    ["preset=tiny", "train.batch_size=4"] if quick else ["preset=small"]
-  )
+  overrides = [
+    a for a in sys.argv[1:] if "=" in a and not a.startswith("--")
+  ] or (["preset=tiny", "train.batch_size=4"] if quick else ["preset=small"])
+  also = [
+    name
+    for a in sys.argv[1:]
+    if a.startswith("--also=")
+    for name in a.split("=", 1)[1].split(",")
+  ]
   corpus = ByteCorpus(max_bytes=500_000)
   states, samples = {}, {}
-  for optimizer in ("muon", "adam"):
+  for optimizer in ("muon", "adam", *also):
     cfg = config_lib.run_config(overrides + [f"optim.optimizer={optimizer}"])
     built = train_lib.build(cfg)
     params, opt_state, step = built.params, built.opt_state, built.train_step
@@ -54,6 +62,7 @@ def main():
       "overrides": overrides,
       "seconds": median,
       "muon_over_adamw": median["muon"] / median["adam"],
+      **{f"{name}_over_muon": median[name] / median["muon"] for name in also},
     }
   )
 
