@@ -116,7 +116,7 @@ def scale_by_muon(
     # the state on the device, as the params (or ZeRO-1) have it: the chain,
     # which keeps whatever sharding the momentum was given. The fused route
     # here was measured (at_scale.py --donate, v5p): 61-layer DeepSeek-V3 at
-    # 64 chips 19.7 -> 2.8 GiB of temp, but Llama-3-70B at TP 8 6.4-7.0 ->
+    # 64 chips 19.7 -> 2.8 GiB of temp, but Llama-3-70B at TP 8 5.3-7.0 ->
     # 9.4-14.4, the loops then copying each stack's gradient and momentum
     direction = optax.chain(
       settings.momentum_of(arguments), settings.orthogonalize_of(arguments)

@@ -199,11 +199,11 @@ def with_state(task: Task, states, step, finish_states) -> Task:
 
 
 def _part_size(count: int, fit: int, unit: int) -> int:
-  """Slices a part of a stack of ``count`` holds when ``fit`` fit the
-  budget: a multiple of ``unit`` (at least one unit), a divisor of ``count``
-  when one is at least half that many, else that many and a shorter last
-  part (``_solve_in_parts``): a prime count of layers is not cut into parts
-  of one."""
+  """How many slices each part of a stack of ``count`` holds when ``fit``
+  slices fit the budget: a multiple of ``unit`` (at least one unit), a
+  divisor of ``count`` when one is at least half that many, else that many
+  and a shorter last part (``_solve_in_parts``), so that a prime count of
+  layers is not cut into parts of one."""
   most = min(count, max(unit, fit - fit % unit))
   divisors = [d for d in range(unit, most + 1, unit) if count % d == 0]
   if divisors and 2 * divisors[-1] >= most:
