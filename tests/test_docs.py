@@ -2,6 +2,7 @@
 covers every argument of optax.contrib.muon and every MuonConfig field; the
 `small` comparison table (docs/examples.md) is the recorded one."""
 
+import functools
 import inspect
 import json
 import os
@@ -396,6 +397,13 @@ def test_the_dion_paragraph_is_the_recorded_compile():
   assert f"{qr['collective_total_gib']:,.0f} GiB a step" in page
 
 
+def _scaling_row(page: str, label: str) -> list[str]:
+  """The cells after the label of the one table row starting ``label``,
+  bold marks stripped."""
+  (line,) = [l for l in page.splitlines() if l.startswith(label)]
+  return [c.strip("* ") for c in line.strip("|").split("|")][1:]
+
+
 def test_the_fsdp_table_is_the_recorded_compile():
   """docs/scaling.md's FSDP x TP figures, against the 64-chip TPU compiles
   `benchmarks/at_scale.py` wrote; each exact mode's bytes are the Muon
@@ -406,9 +414,7 @@ def test_the_fsdp_table_is_the_recorded_compile():
   modes = ("blockwise", "duplicated", "distributed", "allgather", "auto")
   page = (ROOT / "docs" / "scaling.md").read_text()
 
-  def row(label):
-    (line,) = [l for l in page.splitlines() if l.startswith(label)]
-    return [c.strip("* ") for c in line.strip("|").split("|")][1:]
+  row = functools.partial(_scaling_row, page)
 
   def by_mode(fsdp, distribute_over=None):
     return {
@@ -458,9 +464,7 @@ def test_the_61_layer_deepseek_rows_are_the_recorded_compiles():
   assert all(r["resident_gib"] <= 95.74 for r in whole)
   page = (ROOT / "docs" / "scaling.md").read_text()
 
-  def row(label):
-    (line,) = [l for l in page.splitlines() if l.startswith(label)]
-    return [c.strip() for c in line.strip("|").split("|")][1:]
+  row = functools.partial(_scaling_row, page)
 
   plain = {r["mode"]: r for r in whole if r["momentum"] == "param"}
   modes = ("duplicated", "distributed", "allgather", "auto")
