@@ -34,9 +34,9 @@ from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
 from optax_muon._src.kernels import matrices
 from optax_muon._src.optimizers import settings
-from optax_muon._src.optimizers.dion2 import explicit_sharding
-from optax_muon._src.optimizers.dion2 import replicated
-from optax_muon._src.optimizers.dion2 import resharded
+from optax_muon._src.optimizers.dion2_selection import explicit_sharding
+from optax_muon._src.optimizers.dion2_selection import replicated
+from optax_muon._src.optimizers.dion2_selection import resharded
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel import waves
 from optax_muon._src.transforms import scaling

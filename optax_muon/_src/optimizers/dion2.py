@@ -21,20 +21,23 @@ The selection scope is the whole matrix (microsoft/dion's ``"global"``):
 the result does not depend on how the matrix is sharded.
 """
 
-import math
+import dataclasses
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.optimizers import dion2_local
+from optax_muon._src.optimizers import dion2_selection as selection
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
+from optax_muon._src.parallel import tensor_parallel as sharding_lib
+from optax_muon._src.parallel.tensor_parallel import EXACT_MODES
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.momentum import canonical_dtype
@@ -42,9 +45,7 @@ from optax_muon._src.transforms.scaling import resolve_extra_scale_factor
 from optax_muon._src.views import layout as layout_lib
 from optax_muon._src.views.layout import from_layout
 
-# microsoft/dion's NorMuon normalization: ``U / (√v + 1e-8)``, and the floor
-# of the Frobenius norm it rescales by
-_NORMUON_EPS = 1e-8
+SELECTION_SCOPES = ("local", "global")
 
 
 class Dion2State(NamedTuple):
@@ -54,89 +55,6 @@ class Dion2State(NamedTuple):
 
   momentum: Any
   variance: Any
-
-
-def explicit_sharding(x):
-  """The explicit ``NamedSharding`` of ``x`` (``None`` when it has none:
-  no mesh, or Auto axes, where XLA's partitioner places the selection)."""
-  sharding = jax.typeof(x).sharding
-  spec = getattr(sharding, "spec", None)
-  explicit = spec is not None and any(a is not None for a in spec)
-  return sharding if explicit else None
-
-
-def replicated(x):
-  """``x`` replicated when it is explicitly sharded: the top-k and its
-  gather and scatter read whole matrices (the selection is global)."""
-  if explicit_sharding(x) is None:
-    return x
-  return jax.sharding.reshard(
-    x, NamedSharding(jax.typeof(x).sharding.mesh, P())
-  )
-
-
-def resharded(x, sharding):
-  return x if sharding is None else jax.sharding.reshard(x, sharding)
-
-
-def selected_count(fraction: float, slices: int) -> int:
-  """``max(1, ⌈fraction · slices⌉)``: how many slices a step orthogonalizes."""
-  return max(1, math.ceil(fraction * slices))
-
-
-def selection_axis(fan_in: int, fan_out: int, neurons: bool) -> int:
-  """The axis of a ``(matrices, fan_in, fan_out)`` stack whose slices are
-  selected: output neurons (``-1``) for NorDion2; for Dion2 the shorter
-  axis, output neurons on a tie (microsoft/dion's rows of ``(out, in)``)."""
-  return -1 if neurons or fan_out <= fan_in else -2
-
-
-def _select(m: jax.Array, count: int, axis: int):
-  """The ``count`` slices of ``m`` along ``axis`` of largest L1 norm: their
-  indices ``(matrices, count)`` and the submatrices."""
-  norms = jnp.sum(jnp.abs(m.astype(jnp.float32)), axis=-1 if axis == -2 else -2)
-  _, index = jax.lax.top_k(norms, count)
-  expand = index[:, None, :] if axis == -1 else index[:, :, None]
-  return index, jnp.take_along_axis(m, expand, axis=axis)
-
-
-def _scatter(shape, index, selected, axis):
-  """A zero array of ``shape`` holding ``selected`` at ``index`` along
-  ``axis`` (the inverse of ``_select`` off the selected slices)."""
-  batch = jnp.arange(shape[0])[:, None]
-  out = jnp.zeros(shape, selected.dtype)
-  if axis == -1:  # out[b, :, index[b, j]] = selected[b, :, j]
-    return out.at[batch, :, index].set(jnp.swapaxes(selected, -1, -2))
-  return out.at[batch, index, :].set(selected)
-
-
-def _selected_mask(n: int, index: jax.Array, axis: int) -> jax.Array:
-  """Booleans ``(matrices, n, 1)`` or ``(matrices, 1, n)``: the selected."""
-  chosen = jnp.zeros(index.shape[:1] + (n,), bool)
-  chosen = chosen.at[jnp.arange(index.shape[0])[:, None], index].set(True)
-  return chosen[:, None, :] if axis == -1 else chosen[:, :, None]
-
-
-def _normalize_neurons(o, v, index, beta2):
-  """NorMuon's step on the selected neurons ``o`` ``(matrices, fan_in, k)``:
-  their second moments (taken from ``v`` at ``index``) move toward the mean
-  square over ``fan_in``; ``o`` is divided by their root and rescaled to its
-  Frobenius norm. Returns ``(normalized o, v with those moments written)``."""
-  o = o.astype(jnp.float32)
-  moment = jnp.take_along_axis(v, index[:, None, :], axis=-1)
-  moment = moment + (1 - beta2) * (
-    jnp.mean(jnp.square(o), axis=-2, keepdims=True) - moment
-  )
-  normalized = o / (jnp.sqrt(moment) + _NORMUON_EPS)
-  norm = lambda x: jnp.sqrt(
-    jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)
-  )
-  normalized = normalized * (
-    norm(o) / jnp.maximum(norm(normalized), _NORMUON_EPS)
-  )
-  batch = jnp.arange(v.shape[0])[:, None]
-  v = v.at[batch, 0, index].set(moment[:, 0, :])
-  return normalized, v
 
 
 def scale_by_dion2(
@@ -160,6 +78,8 @@ def scale_by_dion2(
   preconditioning: types.Preconditioning = "frobenius",
   layout: Any = None,
   memory_budget: int | None = None,
+  sharding: TensorParallel | None = None,
+  selection_scope: str = "local",
 ) -> optax.GradientTransformation:
   r"""Dion2's direction (NorDion2's with ``normalize_neurons``): see the
   module docstring for the update.
@@ -172,8 +92,7 @@ def scale_by_dion2(
   ``scale_mode`` (``"unit_rms_norm"``: its ``adjust_lr="spectral_norm"``,
   ``√(fan_out/fan_in)`` of the whole matrix) are microsoft/dion's.
   ``beta``, ``nesterov`` and ``momentum_style`` do not apply: the momentum
-  is a plain sum whose selected slices decay by ``ef_decay``; nor does
-  ``sharding`` yet (see ``dion2``).
+  is a plain sum whose selected slices decay by ``ef_decay``.
 
   Args:
     fraction: the share of slices orthogonalized per step, in ``(0, 1]``.
@@ -182,6 +101,15 @@ def scale_by_dion2(
     normalize_neurons: NorDion2: select output neurons and normalize them
       by a running second moment.
     beta2: that second moment's decay, in ``[0, 1)``.
+    sharding: ``None`` (XLA partitions the whole-matrix selection under
+      ``jax.jit``), or an ``optax_muon.TensorParallel``: its mesh, axis,
+      specs and exact mode run the orthogonalization of the selection.
+    selection_scope: with ``sharding``, ``"local"`` (microsoft/dion's
+      default: each shard of a matrix split over ``sharding.axis`` selects
+      its own top slices along the split axis, and only they travel; see
+      ``dion2_local``) or ``"global"`` (the whole matrix's top slices: the
+      result does not depend on the sharding; each matrix is gathered).
+      Without ``sharding`` the two are the same.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``Dion2State``.
@@ -200,6 +128,18 @@ def scale_by_dion2(
       f"fraction={fraction!r} is not accepted; accepted values: (0, 1]"
     )
   _checks.check_range("ef_decay", ef_decay, 0.0, 1.0 + 1e-12)
+  _checks.check_choice("selection_scope", selection_scope, SELECTION_SCOPES)
+  sharding_lib.check_sharding(sharding)
+  if sharding is not None and sharding.mode not in EXACT_MODES:
+    raise ValueError(
+      f"sharding.mode={sharding.mode!r} is not accepted for Dion2; accepted "
+      f"values: {list(EXACT_MODES)} (the selection is orthogonalized whole)"
+    )
+  if normalize_neurons and sharding is not None:
+    raise ValueError(
+      f"sharding={sharding!r} is not accepted for NorDion2 yet; accepted "
+      "values: None (XLA partitions the whole-matrix selection)"
+    )
   _checks.check_range("beta2", beta2, 0.0, 1.0)
   _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
   mu_dtype = canonical_dtype("mu_dtype", mu_dtype)
@@ -208,7 +148,8 @@ def scale_by_dion2(
     extra_scale_factor, match_adamw_update_rms, adamw_beta1
   )
   arguments = dict(locals(), layout=None)
-  # the selected submatrices are whole matrices of their own: a stack
+  # the selected submatrices are whole matrices of their own (replicated:
+  # the global scope's gathered matrices): a stack
   # (matrices, fan_in or k, k or fan_out) each, its leading axis a batch
   orthogonalize = orthogonalize_lib.orthogonalize(
     **settings.forward(
@@ -217,6 +158,7 @@ def scale_by_dion2(
       dimension_numbers="leading",
       split_qkv=None,
       split_gate_up=None,
+      sharding=None,
     )
   )
   resolve_views = layout_lib.view_resolver(
@@ -227,73 +169,146 @@ def scale_by_dion2(
     momentum = jax.tree.map(
       lambda p: jnp.zeros_like(p, dtype=mu_dtype or jnp.result_type(p)), params
     )
+    local_plans(params, resolve_views(params))  # a leaf it cannot select
     if not normalize_neurons:
       return Dion2State(momentum, None)
     variance = [
       tuple(
         jnp.zeros_like(piece[:, :1, :], jnp.float32)
-        for piece in view.to_matrices(replicated(leaf))
+        for piece in view.to_matrices(selection.replicated(leaf))
       )
       for _, leaf, view in resolve_views(params)
     ]
     treedef = jax.tree.structure(params)
     return Dion2State(momentum, jax.tree.unflatten(treedef, variance))
 
-  def update_fn(updates, state, params=None):
-    del params
-    treedef = jax.tree.structure(updates)
-    specs = [
-      explicit_sharding(m) for m in treedef.flatten_up_to(state.momentum)
-    ]
-    momenta = jax.tree.map(
-      lambda m, g: replicated(m + g.astype(m.dtype)), state.momentum, updates
-    )
-    views = resolve_views(momenta)
-    variances = (
-      treedef.flatten_up_to(state.variance)
-      if normalize_neurons
-      else [None] * len(views)
-    )
+  def global_step(views, variances, specs):
+    """Whole-matrix selection of every leaf (``views``: ``(momentum
+    replicated, its view)``): ``(directions, new momenta, new variances)``,
+    resharded as ``specs``."""
     selections, submatrices = [], []
-    for _, m, view in views:
+    for m, view in views:
       for piece in view.to_matrices(m):
-        axis = selection_axis(
+        axis = selection.selection_axis(
           piece.shape[-2], piece.shape[-1], normalize_neurons
         )
-        count = selected_count(fraction, piece.shape[axis])
-        index, sub = _select(piece, count, axis)
+        count = selection.selected_count(fraction, piece.shape[axis])
+        index, sub = selection.select(piece, count, axis)
         selections.append((piece, index, axis))
         submatrices.append(sub)
     orthogonal, _ = orthogonalize.update(submatrices, optax.EmptyState())
     results = iter(zip(selections, orthogonal))
     directions, new_momenta, new_variances = [], [], []
-    for (_, m, view), leaf_variance, spec in zip(views, variances, specs):
+    for (m, view), leaf_variance, spec in zip(views, variances, specs):
       pieces, decayed, moments = [], [], []
       for i, _ in enumerate(view.matrix_shapes):
         (piece, index, axis), o = next(results)
         if normalize_neurons:
-          o, v = _normalize_neurons(o, leaf_variance[i], index, beta2)
+          o, v = selection.normalize_neurons(o, leaf_variance[i], index, beta2)
           moments.append(v)
-        pieces.append(_scatter(piece.shape, index, o.astype(piece.dtype), axis))
-        chosen = _selected_mask(piece.shape[axis], index, axis)
+        o = scaled(o.astype(piece.dtype), *piece.shape[-2:])
+        pieces.append(selection.scatter(piece.shape, index, o, axis))
+        chosen = selection.selected_mask(piece.shape[axis], index, axis)
         decay = jnp.asarray(ef_decay, piece.dtype)
         decayed.append(jnp.where(chosen, decay * piece, piece))
-      directions.append(resharded(view.from_matrices(pieces), spec))
-      new_momenta.append(resharded(view.from_matrices(decayed), spec))
+      directions.append(selection.resharded(view.from_matrices(pieces), spec))
+      new_momenta.append(selection.resharded(view.from_matrices(decayed), spec))
       new_variances.append(tuple(moments))
+    return directions, new_momenta, new_variances
+
+  def local_plans(momenta, views):
+    """Per leaf, its ``dion2_local.LocalLeaf`` (``None``: selected whole)."""
+    if sharding is None or selection_scope == "global":
+      return [None] * len(views)
+    return [
+      dion2_local.plan(view, spec, sharding, fraction)
+      for (_, _, view), spec in zip(views, sharding.leaf_specs(momenta))
+    ]
+
+  def scaled(o, fan_in, fan_out):
+    """``o`` times the whole matrix's shape factor and ``extra`` (on the
+    selected slices, before they are put back)."""
+    factor = scaling.scale_factor(fan_out, fan_in, scale_mode)
+    return o * jnp.asarray(factor, o.dtype) * extra
+
+  def local_step(plans, momenta, gradients, views):
+    """Each shard's own selection (``dion2_local``): ``(directions, new
+    momenta)``, sharded as the momenta."""
+    selections = [
+      dion2_local.select(plan, m, g, ef_decay, sharding.mesh)
+      for plan, m, g in zip(plans, momenta, gradients)
+    ]
+    orthogonal, _ = orthogonalize_lib.orthogonalize(
+      **settings.forward(
+        orthogonalize_lib.orthogonalize,
+        arguments,
+        dimension_numbers=[plan.dimension_numbers() for plan in plans],
+        split_qkv=None,
+        split_gate_up=None,
+        sharding=dataclasses.replace(
+          sharding, specs=[plan.partition_spec for plan in plans]
+        ),
+      )
+    ).update([selected for selected, _, _ in selections], optax.EmptyState())
+    directions = [
+      dion2_local.scatter(
+        plan,
+        scaled(o.astype(m.dtype), view.fan_in, view.fan_out),
+        index,
+        m,
+        sharding.mesh,
+      )
+      for plan, o, (_, _, index), m, view in zip(
+        plans, orthogonal, selections, momenta, views
+      )
+    ]
+    return directions, [decayed for _, decayed, _ in selections]
+
+  def update_fn(updates, state, params=None):
+    del params
+    treedef = jax.tree.structure(updates)
+    gradients = treedef.flatten_up_to(updates)
+    old_momenta = treedef.flatten_up_to(state.momentum)
+    views = resolve_views(updates)
+    plans = local_plans(updates, views)
+    variances = (
+      treedef.flatten_up_to(state.variance)
+      if normalize_neurons
+      else [None] * len(gradients)
+    )
+    whole = [i for i, plan in enumerate(plans) if plan is None]
+    split = [i for i, plan in enumerate(plans) if plan is not None]
+    directions = [None] * len(gradients)
+    new_momenta = [None] * len(gradients)
+    new_variances = [()] * len(gradients)
+    if whole:
+      momenta = {
+        i: old_momenta[i] + gradients[i].astype(old_momenta[i].dtype)
+        for i in whole
+      }
+      outputs = global_step(
+        [(selection.replicated(momenta[i]), views[i][2]) for i in whole],
+        [variances[i] for i in whole],
+        [selection.explicit_sharding(momenta[i]) for i in whole],
+      )
+      for i, d, m, v in zip(whole, *outputs):
+        directions[i], new_momenta[i], new_variances[i] = d, m, v
+    if split:
+      outputs = local_step(
+        [plans[i] for i in split],
+        [old_momenta[i] for i in split],
+        [gradients[i] for i in split],
+        [views[i][2] for i in split],
+      )
+      for i, d, m in zip(split, *outputs):
+        directions[i], new_momenta[i] = d, m
     variance = (
       jax.tree.unflatten(treedef, new_variances) if normalize_neurons else None
     )
-    direction = jax.tree.unflatten(treedef, directions)
-    direction, _ = shape.update(direction, shape.init(direction))
-    direction = jax.tree.map(lambda d: d * extra, direction)
-    return direction, Dion2State(
+    return jax.tree.unflatten(treedef, directions), Dion2State(
       jax.tree.unflatten(treedef, new_momenta), variance
     )
 
-  shape = scaling.scale_by_shape(
-    scale_mode, **settings.forward(scaling.scale_by_shape, arguments)
-  )
   return optax.GradientTransformation(init_fn, update_fn)
 
 
@@ -320,6 +335,8 @@ def dion2(
   weight_decay_mask: types.PerLeaf = None,
   labels: types.PerLeaf = None,
   state_memory_kind: types.MemoryKind | None = None,
+  sharding: TensorParallel | None = None,
+  selection_scope: str = "local",
   **scalar_kwargs,
 ) -> optax.GradientTransformation:
   r"""Dion2 for the matrices, AdamW for the rest: ``om.muon``'s routing with
@@ -328,17 +345,21 @@ def dion2(
   every weight, the step on the selected slices only).
 
   ``beta``, ``nesterov`` and ``momentum_style`` do not apply (the momentum
-  is a sum, decayed by ``ef_decay`` where selected); ``sharding`` does not
-  either yet: sharded params are partitioned by XLA under ``jax.jit``, and
-  the selection is the whole matrix's, so the update does not depend on the
-  sharding. The defaults of ``coefficients`` and ``scale_mode`` are
-  microsoft/dion's (see ``scale_by_dion2``); ``weight_decay`` is the
-  family's 0 (microsoft/dion's is 0.01).
+  is a sum, decayed by ``ef_decay`` where selected). Without ``sharding``
+  sharded params are partitioned by XLA under ``jax.jit`` and the selection
+  is the whole matrix's; with an ``om.TensorParallel`` the selection is each
+  shard's own (``selection_scope="local"``, microsoft/dion's default: only
+  the selected slices travel) or the whole matrix's (``"global"``). The
+  defaults of ``coefficients`` and ``scale_mode`` are microsoft/dion's (see
+  ``scale_by_dion2``); ``weight_decay`` is the family's 0 (microsoft/dion's
+  is 0.01).
 
   Args:
     learning_rate: a float or an optax schedule.
     fraction: the share of each matrix's slices orthogonalized per step.
     ef_decay: the error-feedback decay of the selected slices.
+    sharding: ``None`` or an ``om.TensorParallel`` with an exact mode.
+    selection_scope: ``"local"`` or ``"global"`` (see ``scale_by_dion2``).
     **scalar_kwargs: ``om.muon``'s ``scalar_optimizer`` and ``adam_*``
       arguments, for the leaves that are not matrices.
 

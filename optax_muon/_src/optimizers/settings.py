@@ -100,15 +100,10 @@ NOT_APPLICABLE: dict[str, dict[str, str]] = {
   },
 }
 NOT_APPLICABLE["scale_by_polargrad"] = NOT_APPLICABLE["polargrad"]
-_DION2_SHARDING = (
-  "not yet: under jax.jit XLA partitions sharded params, and the selection "
-  "is the whole matrix's"
-)
 NOT_APPLICABLE["dion2"] = {
   "beta": "the momentum is a sum; ef_decay decays the selected slices",
   "nesterov": "the momentum is a sum, orthogonalized as it is",
   "momentum_style": "the momentum is a sum (no 1 - beta on the gradient)",
-  "sharding": _DION2_SHARDING,
 }
 NOT_APPLICABLE["scale_by_dion2"] = NOT_APPLICABLE["dion2"]
 _NO_NEWTON_SCHULZ = "no Newton–Schulz iteration: a QR of the rows × r product"
@@ -124,9 +119,12 @@ NOT_APPLICABLE["dion"] = {
 }
 NOT_APPLICABLE["scale_by_dion"] = NOT_APPLICABLE["dion"]
 NOT_APPLICABLE["nordion2"] = {
-  name: NOT_APPLICABLE["dion2"][name]
-  for name in ("nesterov", "momentum_style", "sharding")
+  name: NOT_APPLICABLE["dion2"][name] for name in ("nesterov", "momentum_style")
 }
+NOT_APPLICABLE["nordion2"]["sharding"] = (
+  "not yet: under jax.jit XLA partitions sharded params, and the selection "
+  "is the whole matrix's"
+)
 
 
 def forward(

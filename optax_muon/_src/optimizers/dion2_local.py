@@ -1,0 +1,171 @@
+"""Dion2's ``"local"`` selection scope: each shard selects its own slices.
+
+microsoft/dion's default on its sharded path. A matrix split over the
+tensor-parallel axis into ``ranks`` shards along one of its axes is selected
+along that axis (the rows of torch's ``(out, in)`` under FSDP2), each shard
+on its own::
+
+  idx_r = top-k slices of M_r by L1 norm,  k = max(1, ⌈fraction · n / ranks⌉)
+  U = [M_0[idx_0]; …; M_{ranks-1}[idx_{ranks-1}]]   # ranks · k slices
+  O = newton_schulz(U)                              # the sharding's mode
+  M_r[idx_r] ← ef_decay · M_r[idx_r];   update_r[idx_r] = O_r
+
+The selection, the error feedback and the scatter stay on each shard (a
+``jax.shard_map``); only ``U`` and ``O`` travel, in the sharding's exact
+mode (``allgather``: one all-to-all each way), so the bytes and the
+Newton–Schulz FLOPs are ``fraction`` of a whole matrix's. It depends on the
+sharding (each shard's best slices, not the matrix's); a matrix that is not
+split over the axis is selected whole, as the ``"global"`` scope does.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from optax.contrib import MuonDimensionNumbers
+
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
+from optax_muon._src.parallel.tensor_parallel import tp_dim_of
+from optax_muon._src.views import layout as layout_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalLeaf:
+  """How one leaf is selected: along leaf axis ``axis`` (``count`` slices
+  per shard), the L1 norms summed over leaf axis ``other``."""
+
+  spec: tuple  # per leaf axis, its mesh axes (TensorParallel.leaf_specs)
+  axis: int
+  other: int
+  count: int
+
+  @property
+  def partition_spec(self) -> P:
+    return P(*(axes or None for axes in self.spec))
+
+  @property
+  def index_spec(self) -> P:
+    """The indices' spec: the same on every rank of the summed axis."""
+    return P(
+      *(
+        None if d == self.other else axes or None
+        for d, axes in enumerate(self.spec)
+      )
+    )
+
+  def kinds(self, ndim: int) -> str:
+    """Each axis: ``s`` selected, ``o`` the other matrix axis, ``b`` batch."""
+    return "".join(
+      "s" if d == self.axis else "o" if d == self.other else "b"
+      for d in range(ndim)
+    )
+
+  def dimension_numbers(self) -> MuonDimensionNumbers:
+    return MuonDimensionNumbers(
+      reduction_axis=min(self.axis, self.other),
+      output_axis=max(self.axis, self.other),
+    )
+
+
+def plan(
+  view: layout_lib.MatrixView, spec, tp: TensorParallel, fraction
+) -> LocalLeaf | None:
+  """The leaf's local selection, or ``None`` when it is not split over the
+  tensor-parallel axis along a matrix axis (then local is global)."""
+  tp_dim = tp_dim_of(view, spec, tp)
+  if tp_dim is None:
+    return None
+  if view.widths or len(view.reduction_axes) + len(view.output_axes) != 2:
+    raise ValueError(
+      f"selection_scope='local' selects each shard's slices of a leaf with one "
+      f"fan-in and one fan-out axis; a leaf of shape {view.shape} seen with "
+      f"reduction axes {view.reduction_axes}, output axes "
+      f"{view.output_axes}{' and split pieces' if view.widths else ''} is "
+      "split over the tensor-parallel axis; accepted: "
+      "selection_scope='global' for such leaves' trees"
+    )
+  other = (
+    view.output_axes[0]
+    if tp_dim in view.reduction_axes
+    else view.reduction_axes[0]
+  )
+  per_shard = view.shape[tp_dim] // tp.size
+  count = max(1, math.ceil(fraction * per_shard))
+  return LocalLeaf(tuple(spec), tp_dim, other, count)
+
+
+def _summed_over(norms, axes):
+  return jax.lax.psum(norms, axes) if axes else norms
+
+
+def _per_matrix(core, kinds: str):
+  """``core(kinds, *arrays)`` on one matrix, mapped over the batch axes:
+  ``kinds`` names each axis ``b`` (batch), ``s`` (selected) or ``o`` (the
+  other matrix axis). Whole slices are gathered and scattered per index
+  (a ``k``-long index per matrix), never an index per element."""
+  if "b" not in kinds:
+    return lambda *arrays: core(kinds, *arrays)
+  axis = kinds.index("b")
+  inner = _per_matrix(core, kinds[:axis] + kinds[axis + 1 :])
+  return jax.vmap(inner, in_axes=axis, out_axes=axis)
+
+
+def _take(kinds, m, index):
+  return jnp.take(m, index.reshape(-1), axis=kinds.index("s"))
+
+
+def _put(kinds, o, index, like):
+  where = [slice(None)] * 2
+  where[kinds.index("s")] = index.reshape(-1)
+  return jnp.zeros(like.shape, o.dtype).at[tuple(where)].set(o)
+
+
+def select(leaf: LocalLeaf, momentum, gradient, ef_decay, mesh):
+  """Each shard's top slices of ``M = momentum + gradient``: ``(selected,
+  M decayed where selected, indices)``, global arrays; ``selected`` has
+  ``ranks · count`` slices along the selection axis, sharded as the
+  momentum. The sum is taken on each shard, so no whole ``M`` is built
+  beside the new momentum."""
+
+  def body(m, g):
+    m = m + g.astype(m.dtype)
+    norms = jnp.sum(jnp.abs(m.astype(jnp.float32)), leaf.other, keepdims=True)
+    norms = _summed_over(norms, leaf.spec[leaf.other])
+    _, index = jax.lax.top_k(jnp.moveaxis(norms, leaf.axis, -1), leaf.count)
+    chosen = jnp.any(
+      jax.nn.one_hot(index, m.shape[leaf.axis], dtype=jnp.bool_), axis=-2
+    )
+    index = jnp.moveaxis(index, -1, leaf.axis)
+    chosen = jnp.moveaxis(chosen, -1, leaf.axis)
+    selected = _per_matrix(_take, leaf.kinds(m.ndim))(m, index)
+    decayed = jnp.where(chosen, jnp.asarray(ef_decay, m.dtype) * m, m)
+    return selected, decayed, index
+
+  spec = leaf.partition_spec
+  return jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(spec, spec),
+    out_specs=(spec, spec, leaf.index_spec),
+    check_vma=False,
+  )(momentum, gradient)
+
+
+def scatter(leaf: LocalLeaf, orthogonal, index, shape_like, mesh):
+  """The update: zeros of ``shape_like``'s shape with ``orthogonal``'s
+  slices (already scaled: a scale after the scatter would build a second
+  leaf-sized array) at ``index`` on each shard."""
+
+  def body(o, i, like):
+    return _per_matrix(_put, leaf.kinds(o.ndim))(o.astype(like.dtype), i, like)
+
+  spec = leaf.partition_spec
+  return jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(spec, leaf.index_spec, spec),
+    out_specs=spec,
+    check_vma=False,
+  )(orthogonal, index, shape_like)
