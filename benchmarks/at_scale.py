@@ -320,8 +320,21 @@ def optimizers(
     if mode == "optax.contrib.muon":
       out[mode] = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
       continue
-    if mode == "dion2":  # its selection gathers an explicitly sharded matrix
-      out[mode] = om.dion2(0.02, labels=labels, dimension_numbers=dims, **extra)
+    if mode in ("dion2", "dion2_global"):  # each shard's rows, or the matrix's
+      out[mode] = om.dion2(
+        0.02,
+        labels=labels,
+        dimension_numbers=dims,
+        sharding=om.TensorParallel(
+          mesh,
+          "model",
+          "allgather",
+          specs=specs,
+          distribute_over=distribute_over,
+        ),
+        selection_scope="global" if mode == "dion2_global" else "local",
+        **extra,
+      )
       continue
     if mode == "dion":  # XLA partitions its products; rcqr's QR is small
       out[mode] = om.dion(
@@ -473,6 +486,7 @@ MODES = (
   *om.TensorParallel.MODES,
   "muon_bp",
   "dion2",
+  "dion2_global",
   "dion",
   "optax.contrib.muon",
 )
@@ -787,8 +801,8 @@ def main(argv=None):
   records = {}
   if args.momentum != "param" or args.offload:  # options of om.muon only
     modes = [m for m in modes if m != "optax.contrib.muon"]
-  if args.momentum == "8bit":  # dion2's and dion's momenta are sums in a
-    modes = [m for m in modes if m not in ("dion2", "dion")]  # float dtype
+  if args.momentum == "8bit":  # Dion2's and Dion's momenta: float sums
+    modes = [m for m in modes if m not in ("dion2", "dion2_global", "dion")]
   built = optimizers(
     flat,
     mesh,

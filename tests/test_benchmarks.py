@@ -249,6 +249,7 @@ def test_at_scale_compiles_every_mode_on_abstract_shapes():
     "auto",
     "muon_bp",
     "dion2",
+    "dion2_global",
     "dion",
     "optax.contrib.muon",
   }
