@@ -1,11 +1,16 @@
 """Muon train step over AdamW train step on the example model.
 
     python benchmarks/train_step.py [--quick] [--also=dion2,dion] [preset=small ...]
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 \
+        python benchmarks/train_step.py --mesh=model=2 --also=muon_bp
 
 Both steps are the example's jitted ``train_step`` (forward, backward,
 optimizer, donated buffers) on the same batch, timed in alternation;
 ``--also`` times more ``optim.optimizer`` values in the same rounds and
-reports each over Muon's step.
+reports each over Muon's step. ``--mesh`` runs every step on the example's
+``--mesh`` (tensor-parallel over ``model``): MuonBP's block steps differ
+from Muon's only there. Rounds are consecutive steps, so a periodic
+optimizer's median is over its mix of steps.
 """
 
 import os
@@ -21,6 +26,7 @@ from _timing import quick_flag  # noqa: E402
 from _timing import time_once  # noqa: E402
 
 from examples.flax_lm import config as config_lib  # noqa: E402
+from examples.flax_lm import distributed  # noqa: E402
 from examples.flax_lm import train as train_lib  # noqa: E402
 from examples.flax_lm.data import ByteCorpus  # noqa: E402
 
@@ -36,13 +42,18 @@ def main():
     if a.startswith("--also=")
     for name in a.split("=", 1)[1].split(",")
   ]
+  meshes = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--mesh=")]
+  mesh = distributed.parse_mesh(meshes[-1]) if meshes else None
+  place = distributed.batch_placer(mesh)
   corpus = ByteCorpus(max_bytes=500_000)
   states, samples = {}, {}
   for optimizer in ("muon", "adam", *also):
     cfg = config_lib.run_config(overrides + [f"optim.optimizer={optimizer}"])
-    built = train_lib.build(cfg)
+    built = train_lib.build(cfg, mesh)
     params, opt_state, step = built.params, built.opt_state, built.train_step
-    batch = corpus.batch("train", 0, cfg.train.batch_size, cfg.model.block_size)
+    batch = place(
+      corpus.batch("train", 0, cfg.train.batch_size, cfg.model.block_size)
+    )
     params, opt_state, _ = step(params, opt_state, *batch)  # compile
     states[optimizer] = [step, params, opt_state, batch]
     samples[optimizer] = []
@@ -60,6 +71,7 @@ def main():
     {
       "benchmark": "train_step",
       "overrides": overrides,
+      "mesh": meshes[-1] if meshes else None,
       "seconds": median,
       "muon_over_adamw": median["muon"] / median["adam"],
       **{f"{name}_over_muon": median[name] / median["muon"] for name in also},

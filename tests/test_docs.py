@@ -147,6 +147,31 @@ def test_readme_figures_are_the_recorded_ones():
     assert quoted in measured, quoted
 
 
+def test_the_muon_bp_paragraph_is_the_recorded_runs():
+  """docs/performance.md's MuonBP figures on the small preset, against
+  results/small_muon_bp/summary.json; MuonBP within 0.03 of Muon on the
+  same mesh (issue 44)."""
+  summary = json.loads(
+    (ROOT / "results" / "small_muon_bp" / "summary.json").read_text()
+  )
+  page = " ".join((ROOT / "docs" / "performance.md").read_text().split())
+  for name, label in (("muon_bp", "MuonBP"), ("muon", "Muon")):
+    seeds = [
+      r["final_val_loss"]
+      for r in summary["runs"]
+      if r["optimizer"] == name and r["mesh"] == "model=2"
+    ]
+    assert len(seeds) == 2
+    figure = (
+      f"**{label} {sum(seeds) / 2:.3f}** ({seeds[0]:.3f}, {seeds[1]:.3f})"
+    )
+    assert figure in page, figure
+  means = summary["mean_on_mesh"]
+  assert abs(means["muon_bp"] - means["muon"]) <= 0.03
+  ratio = summary["step_over_muon"]["muon_bp"]
+  assert f"Its step costs {ratio:.2f}× Muon's" in page
+
+
 def test_the_api_reference_lists_every_public_name():
   from optax_muon import compat
 
