@@ -19,6 +19,7 @@ from test_dion2 import TORCH_WEIGHTS
 from test_dion2 import _dion2_state
 from test_dion2 import _off_by
 from test_dion2 import _ours
+from test_dion2 import _steps
 
 import optax_muon as om
 from conftest import DATA
@@ -120,16 +121,6 @@ DIMS = {
 }
 
 
-def _steps(tx, params, count=3):
-  state = tx.init(params)
-  update = jax.jit(tx.update)
-  for step in range(count):
-    grads = jax.tree.map(lambda p: gaussian(p.shape, 10 + step), params)
-    updates, state = update(grads, state, params)
-    params = optax.apply_updates(params, updates)
-  return params
-
-
 @pytest.mark.parametrize("mode", ["allgather", "distributed"])
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)])
 def test_global_scope_under_sharding_equals_the_unsharded_update(
@@ -144,11 +135,13 @@ def test_global_scope_under_sharding_equals_the_unsharded_update(
     0.02, weight_decay=0.1, dimension_numbers=DIMS, **kw
   )
   sharding = om.TensorParallel(mesh, "model", mode, specs=SPECS)
-  want = _steps(build(), params)
-  got = _steps(build(sharding=sharding, selection_scope="global"), sharded)
+  want, _ = _steps(build(), 3, params)
+  got, _ = _steps(
+    build(sharding=sharding, selection_scope="global"), 3, sharded
+  )
   chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
   # a leaf no shard splits is selected whole by the local scope too
-  local = _steps(build(sharding=sharding), sharded)
+  local, _ = _steps(build(sharding=sharding), 3, sharded)
   chex.assert_trees_all_close(
     local["replicated"], want["replicated"], atol=1e-5, rtol=0
   )

@@ -146,6 +146,16 @@ def eager(function=None, **options):
   return function if function is not None else (lambda f: f)
 
 
+def dion_commit(dion_path) -> str:
+  """The checkout's commit (``$DION_COMMIT`` where it is no git clone)."""
+  commit = subprocess.run(
+    ["git", "-C", dion_path, "rev-parse", "HEAD"],
+    capture_output=True,
+    text=True,
+  ).stdout.strip()
+  return commit or os.environ.get("DION_COMMIT", "unknown")
+
+
 def main(dion_path):
   torch.compile = eager
   sys.path.insert(0, dion_path)
@@ -160,11 +170,6 @@ def main(dion_path):
         arrays[f"{setting}/{variant}/final_{i}"] = final
         arrays[f"{setting}/{variant}/momentum_{i}"] = momentum
   np.savez_compressed(HERE / "dion2.npz", **arrays)
-  commit = subprocess.run(
-    ["git", "-C", dion_path, "rev-parse", "HEAD"],
-    capture_output=True,
-    text=True,
-  ).stdout.strip()
   about = {
     "conventions": (
       "weights and gradients in torch's (out, in) order; final_i and "
@@ -178,7 +183,7 @@ def main(dion_path):
     "settings": {k: {"optimizer": n, **kw} for k, (n, kw) in SETTINGS.items()},
     "torch": torch.__version__,
     "numpy": np.__version__,
-    "dion_commit": commit or os.environ.get("DION_COMMIT", "unknown"),
+    "dion_commit": dion_commit(dion_path),
   }
   (HERE / "dion2.json").write_text(json.dumps(about, indent=1) + "\n")
   coefficients_path = HERE / "coefficients.json"

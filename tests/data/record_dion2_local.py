@@ -21,7 +21,6 @@ weights and momenta, gathered) and ``dion2_local.json``.
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 
@@ -98,11 +97,6 @@ def main(dion_path):
       )
       arrays.update(np.load(os.path.join(out_dir, f"world_{world_size}.npz")))
   np.savez_compressed(HERE / "dion2_local.npz", **arrays)
-  commit = subprocess.run(
-    ["git", "-C", dion_path, "rev-parse", "HEAD"],
-    capture_output=True,
-    text=True,
-  ).stdout.strip()
   about = {
     "conventions": (
       "the inputs of dion2.npz (record_dion2.py); each weight a DTensor "
@@ -116,7 +110,7 @@ def main(dion_path):
       for k, (n, kw) in SETTINGS.items()
     },
     "torch": torch.__version__,
-    "dion_commit": commit or os.environ.get("DION_COMMIT", "unknown"),
+    "dion_commit": record_dion2.dion_commit(dion_path),
   }
   (HERE / "dion2_local.json").write_text(json.dumps(about, indent=1) + "\n")
 
