@@ -17,8 +17,11 @@ momentum. NorDion2 selects output neurons (``fan_out`` slices) always,
 with ``ef_decay`` its momentum ``β``, and normalizes each selected neuron
 by a running second moment (NorMuon's), keeping ``‖O[idx]‖_F``.
 
-The selection scope is the whole matrix (microsoft/dion's ``"global"``):
-the result does not depend on how the matrix is sharded.
+Without a ``sharding`` (and with ``selection_scope="global"``) the
+selection is the whole matrix's (microsoft/dion's ``"global"`` scope,
+``dion2_selection``): the result does not depend on how the matrix is
+sharded. With an ``om.TensorParallel`` and ``"local"`` (dion's default)
+each shard of a split matrix selects its own slices (``dion2_local``).
 """
 
 import dataclasses
@@ -216,13 +219,14 @@ def scale_by_dion2(
       new_variances.append(tuple(moments))
     return directions, new_momenta, new_variances
 
-  def local_plans(momenta, views):
-    """Per leaf, its ``dion2_local.LocalLeaf`` (``None``: selected whole)."""
+  def local_plans(tree, views):
+    """Per leaf of ``tree`` (params or updates), its
+    ``dion2_local.LocalLeaf`` (``None``: selected whole)."""
     if sharding is None or selection_scope == "global":
       return [None] * len(views)
     return [
       dion2_local.plan(view, spec, sharding, fraction)
-      for (_, _, view), spec in zip(views, sharding.leaf_specs(momenta))
+      for (_, _, view), spec in zip(views, sharding.leaf_specs(tree))
     ]
 
   def scaled(o, fan_in, fan_out):
