@@ -19,13 +19,13 @@ split over the axis is selected whole, as the ``"global"`` scope does.
 """
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
+from optax_muon._src.optimizers.dion2_selection import selected_count
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.tensor_parallel import tp_dim_of
 from optax_muon._src.views import layout as layout_lib
@@ -92,7 +92,7 @@ def plan(
     else view.reduction_axes[0]
   )
   per_shard = view.shape[tp_dim] // tp.size
-  count = max(1, math.ceil(fraction * per_shard))
+  count = selected_count(fraction, per_shard)
   return LocalLeaf(tuple(spec), tp_dim, other, count)
 
 
