@@ -5,8 +5,8 @@ from importlib import metadata as _metadata
 from optax.contrib import MuonDimensionNumbers
 
 from optax_muon import compat
+from optax_muon._src.config.describe import describe
 from optax_muon._src.config.muon_config import MuonConfig
-from optax_muon._src.inference.describe import describe
 from optax_muon._src.inference.infer import Layout
 from optax_muon._src.inference.infer import infer_layout
 from optax_muon._src.kernels.coefficients import COEFFICIENT_SETS
@@ -18,6 +18,8 @@ from optax_muon._src.kernels.newton_schulz import newton_schulz
 from optax_muon._src.kernels.qk import clip_mla_qk
 from optax_muon._src.kernels.qk import clip_qk
 from optax_muon._src.kernels.quantize import QuantizedMomentum
+from optax_muon._src.kernels.shape_scale import adamw_rms_match_factor
+from optax_muon._src.kernels.shape_scale import scale_factor
 from optax_muon._src.kernels.spectral import spectral_clip
 from optax_muon._src.kernels.spectral import spectral_clipped_weight_decay
 from optax_muon._src.kernels.spectral import spectral_hardcap
@@ -47,9 +49,7 @@ from optax_muon._src.transforms.moment2 import scale_by_moment2
 from optax_muon._src.transforms.momentum import momentum
 from optax_muon._src.transforms.orthogonalize import orthogonalize
 from optax_muon._src.transforms.qk_clip import qk_clip
-from optax_muon._src.transforms.scaling import adamw_rms_match_factor
 from optax_muon._src.transforms.scaling import scale_by_shape
-from optax_muon._src.transforms.scaling import scale_factor
 from optax_muon._src.transforms.spectral_decay import (
   add_spectral_clipped_weight_decay,
 )

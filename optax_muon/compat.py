@@ -29,7 +29,7 @@ Deliberate differences, each a case where optax loses information:
   first step uses ``X Xᵀ``, which is not the polar iteration for them).
 """
 
-from optax_muon._src.inference.describe import describe_torch_muon
+from optax_muon._src.config.describe import describe_torch_muon
 from optax_muon._src.optimizers.optax_compat import MuonDimensionNumbers
 from optax_muon._src.optimizers.optax_compat import MuonState
 from optax_muon._src.optimizers.optax_compat import muon

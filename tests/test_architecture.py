@@ -1,12 +1,15 @@
-"""The layers of ``optax_muon/_src/`` import downward only, and no module
-imports another module's private names.
+"""The layers of ``optax_muon/_src/`` import downward only; no module imports
+another module's private names, reads a private attribute through an object
+(``sharding._explicit()``), or imports itself.
 
 Layers, bottom-up: ``base`` (checks, paths) → ``kernels`` (Newton–Schulz and
-the math on matrices) → ``views`` (leaves as matrices, labels) → ``parallel``
-(tensor parallelism, the memory budget, offload) → ``transforms`` (one
+the math on matrices and their shapes) → ``views`` (leaves as matrices,
+labels) → ``inference`` (layouts read from programs, the routing table; it
+needs no optimizer, so it sits below them) → ``parallel`` (tensor
+parallelism, the memory budget, offload) → ``transforms`` (one
 GradientTransformation each) → ``optimizers`` (routing and the family) →
-``inference`` (layouts read from programs, the routing table) → ``config``
-(MuonConfig). A module may import its own layer and those below.
+``config`` (MuonConfig, ``describe``). A module may import its own layer and
+those below.
 """
 
 import ast
@@ -21,17 +24,18 @@ LAYERS = (
   "base",
   "kernels",
   "views",
+  "inference",
   "parallel",
   "transforms",
   "optimizers",
-  "inference",
   "config",
 )
+# A NamedTuple's own API is underscored so it cannot clash with its fields.
+NAMEDTUPLE_API = ("_replace", "_asdict", "_fields", "_make")
 
 
-def _imports(path: pathlib.Path):
-  """``(module, names)`` of each ``optax_muon`` import in ``path``."""
-  tree = ast.parse(path.read_text())
+def _imports(tree: ast.AST):
+  """``(module, names)`` of each ``optax_muon`` import in ``tree``."""
   for node in ast.walk(tree):
     if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
       "optax_muon"
@@ -48,22 +52,50 @@ def _layer(module: str) -> str | None:
   return parts[2] if len(parts) > 2 and parts[1] == "_src" else None
 
 
+def _private_attributes(tree: ast.AST):
+  """``(line, text)`` of each ``obj._name`` whose ``obj`` is not ``self`` or
+  ``cls`` (a NamedTuple's ``_replace`` and kin are public)."""
+  for node in ast.walk(tree):
+    if not isinstance(node, ast.Attribute):
+      continue
+    name = node.attr
+    if not name.startswith("_") or name.startswith("__"):
+      continue
+    owner = node.value
+    if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+      continue
+    if name not in NAMEDTUPLE_API:
+      yield node.lineno, ast.unparse(node)
+
+
+def _module_name(src: pathlib.Path, path: pathlib.Path) -> str:
+  parts = path.relative_to(src).with_suffix("").parts
+  return ".".join(("optax_muon", "_src") + parts)
+
+
 def violations(src: pathlib.Path = SRC) -> list[str]:
   found = []
   for path in sorted(src.rglob("*.py")):
     layer = path.relative_to(src).parts[0]
     if layer not in LAYERS:
       continue
-    for module, names in _imports(path):
+    tree = ast.parse(path.read_text())
+    where = f"{layer}/{path.name}"
+    for line, text in _private_attributes(tree):
+      found.append(f"{where}:{line}: reads private {text}")
+    itself = _module_name(src, path)
+    for module, names in _imports(tree):
+      if itself in (module, *(f"{module}.{name}" for name in names)):
+        found.append(f"{where}: imports itself")
       target = _layer(module)
       if target is None:
         found.append(f"{path.name}: imports {module} (only _src modules)")
         continue
       if LAYERS.index(target) > LAYERS.index(layer):
-        found.append(f"{layer}/{path.name}: imports {module}, a higher layer")
+        found.append(f"{where}: imports {module}, a higher layer")
       for name in names:
         if name.startswith("_"):
-          found.append(f"{layer}/{path.name}: imports private {name}")
+          found.append(f"{where}: imports private {name}")
   return found
 
 
@@ -79,18 +111,30 @@ def test_the_layers_import_downward_and_nothing_private():
 
 
 @pytest.mark.parametrize(
-  "planted",
+  "module, planted",
   [
-    "from optax_muon._src.optimizers import route\n",  # a kernel importing up
-    "from optax_muon._src.kernels.newton_schulz import _all_reduce\n",
+    # a kernel importing up
+    ("kernels/gram.py", "from optax_muon._src.optimizers import route\n"),
+    (
+      "kernels/gram.py",
+      "from optax_muon._src.kernels.newton_schulz import _all_reduce\n",
+    ),
+    # a private method called through an object
+    ("kernels/gram.py", "def f(sharding):\n  return sharding._explicit()\n"),
+    # a module importing itself, both ways
+    ("kernels/gram.py", "from optax_muon._src.kernels import gram\n"),
+    ("kernels/gram.py", "from optax_muon._src.kernels.gram import gram\n"),
+    # layout inference needs no optimizer
+    ("inference/infer.py", "from optax_muon._src.optimizers import muon\n"),
+    ("inference/infer.py", "from optax_muon._src.parallel import waves\n"),
   ],
 )
-def test_a_planted_violation_is_caught(tmp_path, planted):
+def test_a_planted_violation_is_caught(tmp_path, module, planted):
   copy = tmp_path / "_src"
   for path in SRC.rglob("*.py"):
     target = copy / path.relative_to(SRC)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(path.read_text())
-  gram = copy / "kernels" / "gram.py"
-  gram.write_text(planted + gram.read_text())
-  assert len(violations(copy)) == 1
+  target = copy / module
+  target.write_text(planted + target.read_text())
+  assert len(violations(copy)) == 1, violations(copy)

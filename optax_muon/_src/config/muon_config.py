@@ -27,6 +27,7 @@ from optax_muon._src.base import types
 from optax_muon._src.config import overrides as overrides_lib
 from optax_muon._src.kernels import coefficients
 from optax_muon._src.kernels import matrices
+from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import adaptive
 from optax_muon._src.optimizers import dion as dion_lib
 from optax_muon._src.optimizers import dion2 as dion2_lib
@@ -40,7 +41,6 @@ from optax_muon._src.parallel import waves
 from optax_muon._src.transforms import moment2
 from optax_muon._src.transforms import momentum
 from optax_muon._src.transforms import qk_clip as qk_clip_lib
-from optax_muon._src.transforms import scaling
 from optax_muon._src.views import layout as layout_lib
 
 OPTIMIZERS = (
@@ -187,7 +187,7 @@ class MuonConfig:
       )
     choices = {
       "optimizer": OPTIMIZERS,
-      "muon_scale_mode": scaling.SCALE_MODES,
+      "muon_scale_mode": shape_scale.SCALE_MODES,
       "muon_coefficient_type": tuple(coefficients.COEFFICIENT_SETS),
       "muon_fp32_matmul_prec": matrices.PRECISIONS,
       "muon_scalar_optimizer": SCALAR_OPTIMIZERS,
@@ -333,7 +333,7 @@ class MuonConfig:
     """The resolved factor after the shape scale: ``muon_extra_scale_factor``,
     or when unset 1.0, or the RMS-matching factor from ``betas[0]``."""
     if self.muon_match_adamw_update_rms:
-      return float(scaling.adamw_rms_match_factor(self.betas[0]))
+      return float(shape_scale.adamw_rms_match_factor(self.betas[0]))
     if self.muon_extra_scale_factor is None:
       return 1.0
     return float(self.muon_extra_scale_factor)

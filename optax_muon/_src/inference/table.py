@@ -6,7 +6,7 @@ import math
 import jax.numpy as jnp
 
 from optax_muon._src.base import paths as _paths
-from optax_muon._src.transforms import scaling
+from optax_muon._src.kernels import shape_scale
 
 
 class RoutingTable(str):
@@ -22,7 +22,7 @@ class RoutingTable(str):
 
 
 def render(
-  rows, scale_of=scaling.scale_factor, moment2_of=None, modes_of=None
+  rows, scale_of=shape_scale.scale_factor, moment2_of=None, modes_of=None
 ) -> RoutingTable:
   """One aligned line per leaf: path, shape, role, optimizer, matrices,
   scale (``scale_of(fan_out, fan_in)``, spectral by default), with

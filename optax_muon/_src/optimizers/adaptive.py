@@ -29,6 +29,7 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
@@ -101,7 +102,7 @@ def scale_by_adaptive_muon(
     NVIDIA emerging-optimizers 0.3.0, ``AdaptiveMuon``
   """
   _checks.check_choice("momentum_style", momentum_style, MOMENTUM_STYLES)
-  _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
+  _checks.check_choice("scale_mode", scale_mode, shape_scale.SCALE_MODES)
   _, dimension_numbers = from_layout(layout, None, dimension_numbers)
   extra = scaling.resolve_extra_scale_factor(
     extra_scale_factor, match_adamw_update_rms, adamw_beta1

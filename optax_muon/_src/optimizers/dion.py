@@ -33,6 +33,7 @@ import optax
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
 from optax_muon._src.kernels import matrices
+from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.dion2_selection import explicit_sharding
 from optax_muon._src.optimizers.dion2_selection import replicated
@@ -251,7 +252,7 @@ def scale_by_dion(
   _checks.check_range("ef_decay", ef_decay, 0.0, 1.0 + 1e-12)
   _checks.check_range("epsilon", epsilon, 0.0, float("inf"))
   _checks.check_choice("precision", precision, matrices.PRECISIONS)
-  _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
+  _checks.check_choice("scale_mode", scale_mode, shape_scale.SCALE_MODES)
   mu_dtype = canonical_dtype("mu_dtype", mu_dtype)
   budget = waves.resolve(memory_budget)
   _, dimension_numbers = from_layout(layout, None, dimension_numbers)

@@ -34,6 +34,7 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import dion2_local
 from optax_muon._src.optimizers import dion2_selection as selection
 from optax_muon._src.optimizers import settings
@@ -42,7 +43,6 @@ from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel.tensor_parallel import EXACT_MODES
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
-from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.transforms.scaling import resolve_extra_scale_factor
 from optax_muon._src.views import layout as layout_lib
@@ -144,7 +144,7 @@ def scale_by_dion2(
       "values: None (XLA partitions the whole-matrix selection)"
     )
   _checks.check_range("beta2", beta2, 0.0, 1.0)
-  _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
+  _checks.check_choice("scale_mode", scale_mode, shape_scale.SCALE_MODES)
   mu_dtype = canonical_dtype("mu_dtype", mu_dtype)
   _, dimension_numbers = from_layout(layout, None, dimension_numbers)
   extra = resolve_extra_scale_factor(
@@ -232,7 +232,7 @@ def scale_by_dion2(
   def scaled(o, fan_in, fan_out):
     """``o`` times the whole matrix's shape factor and ``extra`` (on the
     selected slices, before they are put back)."""
-    factor = scaling.scale_factor(fan_out, fan_in, scale_mode)
+    factor = shape_scale.scale_factor(fan_out, fan_in, scale_mode)
     return o * jnp.asarray(factor, o.dtype) * extra
 
   def local_step(plans, momenta, gradients, views):

@@ -7,6 +7,7 @@ import optax
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
 from optax_muon._src.kernels import quantize
+from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
@@ -103,7 +104,7 @@ def scale_by_muon(
   _checks.check_choice(
     "momentum_style", momentum_style, momentum_lib.MOMENTUM_STYLES
   )
-  _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
+  _checks.check_choice("scale_mode", scale_mode, shape_scale.SCALE_MODES)
   momentum_lib.canonical_dtype("mu_dtype", mu_dtype, quantized=True)
   _, dimension_numbers = from_layout(layout, None, dimension_numbers)
   extra = resolve_extra_scale_factor(
@@ -221,8 +222,9 @@ def muon(
       ``dimension_numbers``.
     state_memory_kind: ``None`` (device memory) or ``"pinned_host"``: the
       whole state (Muon's momentum, AdamW's moments) in host memory between
-      steps, brought to the device inside each update (``om.offload``'s
-      ``offload_state``; the numbers are unchanged).
+      steps, brought to the device inside each update
+      (``offload_state`` of ``optax_muon._src.parallel.offload``; the
+      numbers are unchanged).
 
   Returns:
     An ``optax.GradientTransformation`` (``optax.partition`` of the two).

@@ -29,7 +29,7 @@ handled by ``TensorParallel.mode`` (Megatron-Core's ``muon_tp_mode``):
   ``duplicated`` (see ``shares_out``).
 
 All of it runs in waves within ``memory_budget`` bytes per device
-(``optax_muon.waves``): a stack is split along its batch axis into parts
+(``optax_muon._src.parallel.waves``): a stack is split along its batch axis into parts
 (for ``allgather``, parts of whole matrices for every rank), and waves are
 ordered in the program.
 
@@ -150,8 +150,10 @@ class TensorParallel:
   def size(self) -> int:
     return self.mesh.shape[self.axis]
 
-  def _explicit(self) -> bool:
-    return all(
+  def knows_leaf_specs(self) -> bool:
+    """Whether ``leaf_specs`` can answer: ``specs`` were given, or every mesh
+    axis is Explicit (the arrays' types carry their specs)."""
+    return self.specs is not None or all(
       t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types
     )
 
@@ -166,7 +168,7 @@ class TensorParallel:
         spec = spec_of(path)
         if spec is None:
           raise ValueError(f"sharding.specs has no PartitionSpec for {where}")
-      elif self._explicit():
+      elif self.knows_leaf_specs():
         spec = jax.typeof(leaf).sharding.spec
       else:
         raise ValueError(

@@ -144,7 +144,7 @@ def momentum(
     bias_correction: correct the EMA's bias towards zero in early steps; the
       state then counts the updates (``BiasCorrectedMomentumState``).
     memory_budget: with an 8-bit buffer, bytes per device of float32 work in
-      flight: the leaves are updated in waves (``optax_muon.waves``), a
+      flight: the leaves are updated in waves (``optax_muon._src.parallel.waves``), a
       stacked leaf (3+ axes) in parts along its leading axis, so a scanned
       70B model never holds its whole momentum in float32 (``None``: 2 GiB).
 

@@ -54,7 +54,7 @@ def orthogonalize(
 
   The work runs in waves whose live bytes per device (gathered inputs,
   Newton–Schulz workspace, results) stay within ``memory_budget``
-  (``optax_muon.waves``): stacked leaves (scanned layers, experts) are split
+  (``optax_muon._src.parallel.waves``): stacked leaves (scanned layers, experts) are split
   along their batch axes, and the waves are ordered in the program. A single
   matrix larger than the budget runs alone; a tree within it is one wave.
 
@@ -184,9 +184,7 @@ def orthogonalizer(
 
   def init_fn(params):
     check_dtypes(resolve_views(params))  # bad layouts or dtypes raise here
-    if sharding is not None and (
-      sharding.specs is not None or sharding._explicit()
-    ):
+    if sharding is not None and sharding.knows_leaf_specs():
       sharding.leaf_specs(params)  # and bad specs here
     return optax.EmptyState()
 

@@ -1,8 +1,6 @@
 """Shape scale modes and AdamW-RMS matching."""
 
 import logging
-import math
-import typing
 
 import jax
 import jax.numpy as jnp
@@ -11,65 +9,13 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.kernels import shape_scale
+from optax_muon._src.kernels.shape_scale import SCALE_MODES
 from optax_muon._src.parallel import cost
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel import waves
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
-from optax_muon._src.transforms import scaling
 from optax_muon._src.views import layout
-
-SCALE_MODES = typing.get_args(types.ScaleMode)
-
-
-def scale_factor(
-  fan_out: int, fan_in: int, mode: types.ScaleMode = "spectral"
-) -> float:
-  """The factor an orthogonalized ``fan_in × fan_out`` update is scaled by.
-
-  * ``"spectral"``: ``√max(fan_out, fan_in)`` (Megatron-Core default; with
-    ``extra_scale_factor`` 0.2 the update RMS is ≈ 0.2, Moonlight);
-  * ``"shape_scaling"``: ``√max(1, fan_out / fan_in)`` (Keller Jordan);
-  * ``"unit_rms_norm"``: ``√(fan_out / fan_in)`` (Bernstein's RMS→RMS norm).
-
-  Args:
-    fan_out: output dimension of the matrix.
-    fan_in: input (reduction) dimension.
-    mode: one of ``SCALE_MODES``.
-
-  Returns:
-    The factor, a Python float.
-  """
-  _checks.check_choice("mode", mode, SCALE_MODES)
-  for name, value in (("fan_out", fan_out), ("fan_in", fan_in)):
-    _checks.check_int(name, value, minimum=1)
-  if mode == "spectral":
-    return math.sqrt(max(fan_out, fan_in))
-  if mode == "shape_scaling":
-    return math.sqrt(max(1.0, fan_out / fan_in))
-  return math.sqrt(fan_out / fan_in)
-
-
-def adamw_rms_match_factor(beta1: float | jax.Array) -> float | jax.Array:
-  r"""``√((1 − β₁) / (1 + β₁))``: the RMS of an AdamW update at steady state.
-
-  Multiplying a spectral-scaled Muon update by it makes its RMS equal AdamW's,
-  so an AdamW learning rate carries over (0.229416 at β₁ = 0.9).
-
-  Args:
-    beta1: AdamW's first-moment decay, in ``[0, 1)``; may be traced.
-
-  Returns:
-    A float, or an array when ``beta1`` is traced.
-
-  References:
-    Liu et al., `Muon is Scalable for LLM Training
-    <https://arxiv.org/abs/2502.16982>`_, 2025
-  """
-  _checks.check_range("adamw_beta1", beta1, 0.0, 1.0)
-  if _checks.is_traced(beta1):
-    return jnp.sqrt((1 - beta1) / (1 + beta1))
-  beta1 = float(np.asarray(beta1))
-  return math.sqrt((1 - beta1) / (1 + beta1))
 
 
 def scale_by_shape(
@@ -116,7 +62,7 @@ def scale_by_shape(
 
   def scale_leaf(leaf, view, local):
     factors = [
-      scale_factor(fan_out, fan_in, mode)
+      shape_scale.scale_factor(fan_out, fan_in, mode)
       for fan_in, fan_out in local.matrix_shapes
     ]
     if len(set(factors)) == 1:
@@ -188,7 +134,7 @@ def resolve_extra_scale_factor(
         f"beta1, but extra_scale_factor={extra_scale_factor!r} was also set; "
         "set exactly one of them"
       )
-    factor = scaling.adamw_rms_match_factor(adamw_beta1)
+    factor = shape_scale.adamw_rms_match_factor(adamw_beta1)
     if (
       not _checks.is_traced(factor)
       and factor not in _logged_factors

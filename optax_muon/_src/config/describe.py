@@ -13,6 +13,7 @@ from optax_muon._src.base import paths as _paths
 from optax_muon._src.base import types
 from optax_muon._src.inference.table import RoutingTable
 from optax_muon._src.inference.table import render
+from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import torch_muon as torch_muon_lib
 from optax_muon._src.parallel import cost
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
@@ -58,7 +59,7 @@ def describe(
   ``om.muon``; ``moment2_method`` as in ``om.adaptive_muon``. With
   ``sharding``, the table says each Muon leaf's tensor-parallel mode and
   why: under ``mode="auto"`` each allowed mode's modeled time (the cost
-  model of ``optax_muon.parallel.cost``, for the params' dtype).
+  model of ``optax_muon._src.parallel.cost``, for the params' dtype).
 
   Args:
     params: the parameter tree (arrays, shape structs or ``nnx.State``).
@@ -77,7 +78,7 @@ def describe(
       (leaves of 3+ axes without dimension numbers, unknown paths, ...).
   """
   labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
-  _checks.check_choice("scale_mode", scale_mode, scaling.SCALE_MODES)
+  _checks.check_choice("scale_mode", scale_mode, shape_scale.SCALE_MODES)
   if moment2_method is not None:
     _checks.check_choice("moment2_method", moment2_method, MOMENT2_METHODS)
   extra = scaling.resolve_extra_scale_factor(
@@ -132,7 +133,7 @@ def describe(
   return render(
     rows,
     lambda fan_out, fan_in: (
-      float(extra) * (scaling.scale_factor(fan_out, fan_in, scale_mode))
+      float(extra) * (shape_scale.scale_factor(fan_out, fan_in, scale_mode))
     ),
     moment2_of=None
     if moment2_method is None
