@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -553,7 +554,13 @@ def test_the_family_names_build_their_optimizer(overrides, build):
 @pytest.mark.parametrize(
   "overrides, field",
   [
-    (["optimizer=dion2", "muon_tp_mode=allgather"], "muon_tp_mode"),
+    (["optimizer=dion2", "muon_tp_mode=blockwise"], "muon_tp_mode"),
+    (["optimizer=dion2", "muon_tp_mode=auto"], "muon_tp_mode"),
+    (["optimizer=nordion2", "muon_tp_mode=allgather"], "muon_tp_mode"),
+    (
+      ["optimizer=dion2", "use_layer_wise_distributed_optimizer=true"],
+      "use_layer_wise_distributed_optimizer",
+    ),
     (["optimizer=nordion2", "muon_momentum_bits=8"], "muon_momentum_bits"),
     (["optimizer=dion2", "dion2_fraction=1.5"], "dion2_fraction"),
     (["optimizer=dion2", "dion2_ef_decay=-1"], "dion2_ef_decay"),
@@ -567,3 +574,49 @@ def test_the_family_names_build_their_optimizer(overrides, build):
 def test_the_family_names_reject_what_they_cannot_do(overrides, field):
   with pytest.raises(ValueError, match=field):
     om.MuonConfig.from_overrides(overrides)
+
+
+def test_dion2_with_an_exact_tp_mode_selects_in_each_shard():
+  # fan-out split over 2 model devices: the config's Dion2 is om.dion2's
+  # local scope on the same TensorParallel, and not the whole-matrix one
+  mesh = jax.make_mesh((2,), ("model",), axis_types=(AxisType.Auto,))
+  specs = {"w": P(None, "model"), "b": P()}
+  put = lambda tree: jax.tree.map(
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
+  )
+  params = put({"w": gaussian((16, 32), 0), "b": jnp.zeros(32)})
+  grads = [
+    put({"w": gaussian((16, 32), 1 + i), "b": jnp.ones(32)}) for i in range(3)
+  ]
+  cfg = om.MuonConfig.from_overrides(
+    [
+      "optimizer=dion2",
+      "lr=0.02",
+      "clip_grad=0",
+      "muon_fp32_matmul_prec=highest",
+      "muon_tp_mode=allgather",
+    ]
+  )
+  sharding = om.TensorParallel(mesh, "model", "allgather", specs=specs)
+  kwargs = dict(
+    coefficients="quintic",
+    scale_mode="spectral",
+    weight_decay=0.01,
+    adam_weight_decay=0.01,
+    adam_b2=0.999,
+  )
+  local = om.dion2(0.02, sharding=sharding, **kwargs)
+  whole = om.dion2(0.02, **kwargs)
+
+  def run(tx):
+    state, out = tx.init(params), []
+    for g in grads:
+      updates, state = jax.jit(tx.update)(g, state, params)
+      out.append(updates["w"])
+    return out
+
+  got = run(cfg.build(params=params, mesh=mesh, specs=specs))
+  chex.assert_trees_all_close(got, run(local), atol=1e-7)
+  assert (
+    max(float(jnp.abs(a - b).max()) for a, b in zip(got, run(whole))) > 1e-3
+  )

@@ -71,7 +71,10 @@ class MuonConfig:
       ``"nordion2"`` (``om.dion2`` / ``om.nordion2`` with the ``dion2_*``
       settings and the ``muon_*`` ones that apply: the Newton–Schulz
       schedule, steps, precision, scale; NorDion2's β is
-      ``muon_momentum``; no ``muon_tp_mode``), or ``"dion"`` (``om.dion``
+      ``muon_momentum``; Dion2 with ``muon_tp_mode`` one of the exact
+      modes runs sharded over ``build``'s mesh, each shard selecting its own
+      slices (microsoft/dion's ``"local"`` scope); NorDion2 has no
+      ``muon_tp_mode``), or ``"dion"`` (``om.dion``
       with ``dion_rank_fraction``, its ``ef_decay`` (microsoft/dion's
       ``mu``) ``muon_momentum``; precision and scale apply, no
       Newton–Schulz settings, no ``muon_tp_mode``).
@@ -237,14 +240,27 @@ class MuonConfig:
     _checks.check_choice(
       "dion_qr_method", self.dion_qr_method, dion_lib.QR_METHODS
     )
-    if self.optimizer in WITHOUT_TP_MODE and (
-      self.muon_tp_mode is not None or self.use_layer_wise_distributed_optimizer
+    if self.optimizer == "dion2" and self.muon_tp_mode not in (
+      None,
+      *sharding_lib.EXACT_MODES,
     ):
       raise ValueError(
-        f"optimizer={self.optimizer!r} has no muon_tp_mode or "
-        "use_layer_wise_distributed_optimizer yet (its update is the same "
-        "on any sharding; XLA partitions it under jit); unset them, or use "
-        f"optimizer='muon' or 'muon_bp'"
+        f"muon_tp_mode={self.muon_tp_mode!r} is not accepted with "
+        "optimizer='dion2' (its selected slices are orthogonalized whole); "
+        "accepted values: None (the whole matrix's selection, partitioned "
+        f"by XLA) or one of {sharding_lib.EXACT_MODES} (each shard selects "
+        "its own slices, microsoft/dion's local scope)"
+      )
+    if self.optimizer in WITHOUT_TP_MODE and (
+      (self.optimizer != "dion2" and self.muon_tp_mode is not None)
+      or self.use_layer_wise_distributed_optimizer
+    ):
+      raise ValueError(
+        f"optimizer={self.optimizer!r} has no "
+        + ("" if self.optimizer == "dion2" else "muon_tp_mode or ")
+        + "use_layer_wise_distributed_optimizer yet (its update is the same "
+        "on any sharding; XLA partitions it under jit); unset it, or use "
+        "optimizer='muon' or 'muon_bp'"
       )
     if (
       self.optimizer in WITHOUT_TP_MODE and self.muon_momentum_bits is not None
@@ -337,6 +353,11 @@ class MuonConfig:
     if self.muon_extra_scale_factor is None:
       return 1.0
     return float(self.muon_extra_scale_factor)
+
+  @property
+  def _dion2_sharded(self) -> bool:
+    """Dion2 with an exact ``muon_tp_mode``: its local selection scope."""
+    return self.optimizer == "dion2" and self.muon_tp_mode is not None
 
   @property
   def tp_mode(self) -> types.TensorParallelMode:
@@ -455,7 +476,9 @@ class MuonConfig:
         *clip_logits,
       )
     sharding = None
-    if mesh is not None and self.optimizer not in WITHOUT_TP_MODE:
+    if mesh is not None and (
+      self.optimizer not in WITHOUT_TP_MODE or self._dion2_sharded
+    ):
       axes = list(mesh.axis_names)
       if tp_axis not in axes:
         raise ValueError(
@@ -569,17 +592,20 @@ class MuonConfig:
   def _dion2_family(
     self, learning_rate, *, beta, nesterov, momentum_style, sharding, **kwargs
   ):
-    """``om.dion2`` or ``om.nordion2`` from ``build``'s Muon keywords: the
-    momentum's (a sum, decayed where selected) and ``sharding`` (``None``
-    here: no mesh reaches them) do not apply."""
-    del nesterov, momentum_style, sharding
+    """``om.dion2`` or ``om.nordion2`` from ``build``'s Muon keywords; the
+    momentum's do not apply (a sum, decayed where selected). Dion2 gets
+    ``sharding`` when ``muon_tp_mode`` names an exact mode (each shard
+    selects its own slices); NorDion2 never does (not built)."""
+    del nesterov, momentum_style
     if self.optimizer == "dion2":
       return dion2_lib.dion2(
         learning_rate,
         fraction=self.dion2_fraction,
         ef_decay=self.dion2_ef_decay,
+        sharding=sharding,
         **kwargs,
       )
+    del sharding
     return dion2_lib.nordion2(
       learning_rate,
       fraction=self.dion2_fraction,
