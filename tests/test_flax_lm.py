@@ -645,3 +645,25 @@ def test_a_mesh_run_compiles_its_step_once():
     batch = corpus.batch("train", step, 8, cfg.model.block_size, 0)
     params, opt_state, _ = built.train_step(params, opt_state, *place(batch))
   assert built.train_step._cache_size() == 1
+
+
+def test_orthogonalization_flops_count_what_each_optimizer_orthogonalizes():
+  from examples.flax_lm.metrics import orthogonalization_flops
+
+  # one 64 (fan_in) × 128 (fan_out) matrix, 3 stacked, and a bias left out
+  params = {"w": np.zeros((3, 64, 128)), "b": np.zeros(128)}
+  labels = {"w": "muon", "b": "adam"}
+  count = lambda **fields: orthogonalization_flops(
+    params, labels, om.MuonConfig(**fields), steps=5
+  )
+  ns = lambda m, n: 3 * 5 * (4 * m * m * n + 2 * m**3)  # m ≤ n
+  assert count(optimizer="muon") == ns(64, 128)
+  # Dion2: 16 of the 64 fan-in rows; NorDion2: 32 of the 128 output neurons
+  assert count(optimizer="dion2") == ns(16, 128)
+  assert count(optimizer="nordion2") == ns(32, 64)
+  assert count(optimizer="dion2", dion2_fraction=1.0) == ns(64, 128)
+  # Dion at rank 16 of 64: B·Q and Bᵀ·P on the tall 128 × 64, and the QR
+  r = 16
+  assert count(optimizer="dion", dion_rank_fraction=0.25) == pytest.approx(
+    3 * (4 * 128 * 64 * r + 4 * 128 * r * r - 4 * r**3 / 3)
+  )

@@ -43,14 +43,38 @@ def update_rms_by_group(updates, groups: dict) -> dict:
   }
 
 
-def newton_schulz_flops(params, labels, steps: int) -> float:
-  """``T·(4m²n + 2m³)`` summed over every Muon matrix (m ≤ n)."""
+def _ns(steps: int, a: int, b: int) -> float:
+  m, n = min(a, b), max(a, b)
+  return steps * (4 * m * m * n + 2 * m**3)
+
+
+def _matrix_flops(optim: om.MuonConfig, steps: int, fan_in, fan_out):
+  """One matrix's orthogonalization FLOPs a step under ``optim``."""
+  shorter, longer = min(fan_in, fan_out), max(fan_in, fan_out)
+  if optim.optimizer == "dion2":  # k selected slices of the shorter axis
+    return _ns(steps, max(1, math.ceil(optim.dion2_fraction * shorter)), longer)
+  if optim.optimizer == "nordion2":  # k selected output neurons
+    selected = max(1, math.ceil(optim.dion2_fraction * fan_out))
+    return _ns(steps, selected, fan_in)
+  if optim.optimizer == "dion":  # B·Q, Bᵀ·P and a Householder QR of P
+    r = min(shorter, math.ceil(optim.dion_rank_fraction * shorter))
+    return 4 * longer * shorter * r + 4 * longer * r * r - 4 * r**3 / 3
+  return _ns(steps, fan_in, fan_out)
+
+
+def orthogonalization_flops(
+  params, labels, optim: om.MuonConfig, steps: int
+) -> float:
+  """FLOPs a step of orthogonalizing every Muon matrix: Newton–Schulz's
+  ``T·(4m²n + 2m³)`` (m ≤ n) on what it orthogonalizes (Muon's whole
+  matrix; Dion2's ``⌈fraction·m⌉`` selected slices of the shorter axis,
+  NorDion2's of ``fan_out``), or Dion's power iteration on the tall side
+  (``4mnr`` for ``B·Q`` and ``Bᵀ·P``, ``4mr² − 4r³/3`` for the QR)."""
   total = 0.0
   for leaf, label in zip(jax.tree.leaves(params), jax.tree.leaves(labels)):
     if label == "muon":
-      *batch, a, b = leaf.shape
-      m, n = min(a, b), max(a, b)
-      total += math.prod(batch) * steps * (4 * m * m * n + 2 * m**3)
+      *batch, fan_in, fan_out = leaf.shape
+      total += math.prod(batch) * _matrix_flops(optim, steps, fan_in, fan_out)
   return total
 
 
@@ -69,7 +93,9 @@ def run_summary(cfg: config_lib.RunConfig, params, labels, corpus) -> dict:
     "processes": jax.process_count(),
     "model_flops_per_step": 6 * size * tokens_per_step,
     "ns_flops_per_step": (
-      newton_schulz_flops(params, labels, ns_steps) if muon else 0.0
+      orthogonalization_flops(params, labels, cfg.optim, ns_steps)
+      if muon
+      else 0.0
     ),
     "params": size,
     "python": platform.python_version(),
