@@ -556,7 +556,8 @@ def test_the_family_names_build_their_optimizer(overrides, build):
   [
     (["optimizer=dion2", "muon_tp_mode=blockwise"], "muon_tp_mode"),
     (["optimizer=dion2", "muon_tp_mode=auto"], "muon_tp_mode"),
-    (["optimizer=nordion2", "muon_tp_mode=allgather"], "muon_tp_mode"),
+    (["optimizer=nordion2", "muon_tp_mode=blockwise"], "muon_tp_mode"),
+    (["optimizer=dion", "muon_tp_mode=allgather"], "muon_tp_mode"),
     (
       ["optimizer=dion2", "use_layer_wise_distributed_optimizer=true"],
       "use_layer_wise_distributed_optimizer",

@@ -1,5 +1,6 @@
-"""om.dion2's "local" selection scope under an om.TensorParallel: against
-microsoft/dion's local scope on 2 and 4 gloo ranks (recorded by
+"""om.dion2's and om.nordion2's "local" selection scope under an
+om.TensorParallel: against microsoft/dion's local scope on 2 and 4 gloo
+ranks (recorded by
 tests/data/record_dion2_local.py), the global scope against the unsharded
 update, the bytes it moves, and bad input."""
 
@@ -36,7 +37,8 @@ AUTO = (AxisType.Auto, AxisType.Auto)
 
 def _sharded_run(tx, mesh, spec):
   """The recorded steps on our (in, out) weights, each sharded as ``spec``;
-  weights and momenta come back gathered, in torch's (out, in) order."""
+  weights, momenta and NorDion2's variances (else ``None``) come back
+  gathered, in torch's (out, in) and (out, 1) order."""
   put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
   params = [put(w.T) for w in TORCH_WEIGHTS]
   state = tx.init(params)
@@ -44,8 +46,15 @@ def _sharded_run(tx, mesh, spec):
   for grads in TORCH_GRADS:
     updates, state = update([put(g.T) for g in grads], state, params)
     params = optax.apply_updates(params, updates)
-  momenta = _dion2_state(state).momentum
-  return [np.asarray(w).T for w in params], [np.asarray(m).T for m in momenta]
+  ours = _dion2_state(state)
+  variances = ours.variance and [
+    np.asarray(v).reshape(-1, 1) for (v,) in ours.variance
+  ]
+  return (
+    [np.asarray(w).T for w in params],
+    [np.asarray(m).T for m in ours.momentum],
+    variances,
+  )
 
 
 def _setting(name):
@@ -55,7 +64,7 @@ def _setting(name):
   }
 
 
-def _check_against_recorded(name, world, finals, momenta):
+def _check_against_recorded(name, world, finals, momenta, variances):
   key = f"{name}/world_{world}"
   want = [RECORDED[f"{key}/final_{i}"] for i in range(len(finals))]
   # the float32 floor of test_dion2's one-device comparison (1.1e-5)
@@ -63,6 +72,11 @@ def _check_against_recorded(name, world, finals, momenta):
   for i, got in enumerate(momenta):
     np.testing.assert_allclose(
       got, RECORDED[f"{key}/momentum_{i}"], rtol=0, atol=1e-6
+    )
+  assert (variances is not None) == name.startswith("nordion2/")
+  for i, got in enumerate(variances or ()):
+    np.testing.assert_allclose(
+      got, RECORDED[f"{key}/variance_neuron_{i}"], rtol=1e-5, atol=1e-12
     )
 
 
@@ -75,30 +89,28 @@ def test_local_scope_equals_microsoft_dion_on_as_many_ranks(name, world, mode):
   spec = P(None, "model")
   sharding = om.TensorParallel(mesh, "model", mode, specs=spec)
   tx = _ours(_setting(name), sharding=sharding, selection_scope="local")
-  finals, momenta = _sharded_run(tx, mesh, spec)
-  _check_against_recorded(name, world, finals, momenta)
+  _check_against_recorded(name, world, *_sharded_run(tx, mesh, spec))
 
 
-def test_local_scope_differs_from_global_where_shards_disagree():
+@pytest.mark.parametrize("name", ["dion2/defaults", "nordion2/defaults"])
+def test_local_scope_differs_from_global_where_shards_disagree(name):
   # the check above could pass with the global selection if the recorded
   # local runs happened to select the same rows: they do not
-  name = "dion2/defaults"
   for world in META["world_sizes"]:
     local = RECORDED[f"{name}/world_{world}/final_0"]
     single = np.load(DATA / "dion2.npz")[f"{name}/fp32/final_0"]
     assert np.abs(local - single).max() > 1e-3
 
 
-def test_fsdp_on_the_other_axis_selects_as_tensor_parallel_alone():
-  # (2, 4): fan-in split over data too; the norms are summed over it, so
-  # each model shard selects as on 4 ranks
+@pytest.mark.parametrize("name", ["dion2/defaults", "nordion2/defaults"])
+def test_fsdp_on_the_other_axis_selects_as_tensor_parallel_alone(name):
+  # (2, 4): fan-in split over data too; the norms (and NorDion2's neuron
+  # statistics) are summed over it, so each model shard selects as on 4 ranks
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=AUTO)
   spec = P("data", "model")
   sharding = om.TensorParallel(mesh, "model", "allgather", specs=spec)
-  name = "dion2/defaults"
   tx = _ours(_setting(name), sharding=sharding)
-  finals, momenta = _sharded_run(tx, mesh, spec)
-  _check_against_recorded(name, 4, finals, momenta)
+  _check_against_recorded(name, 4, *_sharded_run(tx, mesh, spec))
 
 
 def _tree(seed=0):
@@ -148,6 +160,26 @@ def test_global_scope_under_sharding_equals_the_unsharded_update(
   assert np.abs(np.asarray(local["col"]) - np.asarray(want["col"])).max() > 1e-4
 
 
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)])
+def test_nordion2_global_scope_under_sharding_equals_the_unsharded_update(
+  mesh_shape,
+):
+  mesh = jax.make_mesh(mesh_shape, ("data", "model"), axis_types=AUTO)
+  params = _tree()
+  sharded = jax.tree.map(
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, SPECS
+  )
+  build = lambda **kw: om.nordion2(
+    0.02, weight_decay=0.1, dimension_numbers=DIMS, **kw
+  )
+  sharding = om.TensorParallel(mesh, "model", "allgather", specs=SPECS)
+  want, _ = _steps(build(), 3, params)
+  got, _ = _steps(
+    build(sharding=sharding, selection_scope="global"), 3, sharded
+  )
+  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
+
+
 def _collective_bytes(tx, mesh):
   params = jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(
@@ -181,10 +213,15 @@ def test_bad_input_names_the_field():
     om.dion2(0.02, selection_scope="shard")
   with pytest.raises(ValueError, match="sharding.mode"):
     om.dion2(0.02, sharding=om.TensorParallel(mesh, mode="blockwise"))
-  with pytest.raises(ValueError, match="sharding"):
-    om.scale_by_dion2(
-      normalize_neurons=True, sharding=om.TensorParallel(mesh, specs=SPECS)
-    )
+  # NorDion2 selects output neurons: a leaf split along fan_in is refused at
+  # init (dion refuses it too), with the scope that takes it
+  tx = om.nordion2(
+    0.02,
+    dimension_numbers=DIMS,
+    sharding=om.TensorParallel(mesh, mode="allgather", specs=SPECS),
+  )
+  with pytest.raises(ValueError, match="fan-in.*selection_scope='global'"):
+    tx.init(_tree())
   # a leaf with two fan-out axes split over the tensor-parallel axis: told
   # at init, not inside jit
   tx = om.dion2(

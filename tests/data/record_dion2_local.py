@@ -1,5 +1,5 @@
-"""Records microsoft/dion's Dion2 with ``selection_scope="local"`` on a
-row-sharded mesh, for tests/test_dion2_local.py.
+"""Records microsoft/dion's Dion2 and NorDion2 with ``selection_scope="local"``
+on a row-sharded mesh, for tests/test_dion2_local.py.
 
 Run once, with torch and a checkout of microsoft/dion (the tests need
 neither)::
@@ -13,9 +13,10 @@ The weights and gradients of ``record_dion2.py`` (torch's ``(out, in)``:
 FSDP2's layout) over a one-dimensional CPU ``DeviceMesh`` of 2 and of 4
 processes (gloo); five ``optimizer.step()`` calls in float32 (the
 ``record_dion2.py`` way: dion's bfloat16 read as float32, its Polar Express
-in float32), for both Dion2 settings. Each rank selects its own top rows,
-and only those travel in the all-to-all. Writes ``dion2_local.npz`` (final
-weights and momenta, gathered) and ``dion2_local.json``.
+in float32), for both settings of each. Each rank selects its own top rows
+(NorDion2: its own output neurons, normalized on the rank), and only those
+travel in the all-to-all. Writes ``dion2_local.npz`` (final weights,
+momenta and NorDion2's neuron variances, gathered) and ``dion2_local.json``.
 """
 
 import json
@@ -34,9 +35,7 @@ sys.path.insert(0, str(HERE))
 import record_dion2  # noqa: E402
 
 WORLD_SIZES = (2, 4)
-SETTINGS = {
-  k: v for k, v in record_dion2.SETTINGS.items() if k.startswith("dion2/")
-}
+SETTINGS = record_dion2.SETTINGS
 
 
 def _worker(rank, world_size, dion_path, port, out_dir):
@@ -50,11 +49,13 @@ def _worker(rank, world_size, dion_path, port, out_dir):
   sys.path.insert(0, dion_path)
   import dion
   from dion import dion2 as dion2_module
+  from dion import nordion2 as nordion2_module
   from dion import polar_express
 
   mesh = init_device_mesh("cpu", (world_size,))
   weights, grads, _ = record_dion2.inputs()
   dion2_module.torch = record_dion2._Float32ForBfloat16()
+  nordion2_module.torch = record_dion2._Float32ForBfloat16()
   results = {}
   for setting, (name, kwargs) in SETTINGS.items():
     kwargs = dict(
@@ -77,10 +78,11 @@ def _worker(rank, world_size, dion_path, port, out_dir):
       results[f"{setting}/world_{world_size}/final_{i}"] = (
         p.detach().full_tensor().numpy().copy()
       )
-      momentum = optimizer.state[p]["momentum"]
-      results[f"{setting}/world_{world_size}/momentum_{i}"] = (
-        momentum.full_tensor().numpy().copy()
-      )
+      for key, state in optimizer.state[p].items():
+        if key in ("momentum", "variance_neuron"):
+          results[f"{setting}/world_{world_size}/{key}_{i}"] = (
+            state.full_tensor().numpy().copy()
+          )
   if rank == 0:
     np.savez(os.path.join(out_dir, f"world_{world_size}.npz"), **results)
   dist.destroy_process_group()
@@ -101,8 +103,9 @@ def main(dion_path):
     "conventions": (
       "the inputs of dion2.npz (record_dion2.py); each weight a DTensor "
       "sharded by rows (Shard(0), torch's (out, in)) over world_size gloo "
-      "ranks; final_i and momentum_i gathered after 5 optimizer.step() "
-      "calls of Dion2(selection_scope='local') in float32"
+      "ranks; final_i, momentum_i (and NorDion2's variance_neuron_i, "
+      "torch's (out, 1)) gathered after 5 optimizer.step() calls with "
+      "selection_scope='local' in float32"
     ),
     "world_sizes": list(WORLD_SIZES),
     "settings": {

@@ -55,6 +55,8 @@ OPTIMIZERS = (
 # the members whose update has no tensor-parallel mode (yet): XLA partitions
 # them under jit
 WITHOUT_TP_MODE = ("dion2", "nordion2", "dion")
+# take an exact muon_tp_mode: each shard selects its own slices
+DION2_FAMILY = ("dion2", "nordion2")
 TP_MODES = sharding_lib.MODES
 
 
@@ -71,10 +73,9 @@ class MuonConfig:
       ``"nordion2"`` (``om.dion2`` / ``om.nordion2`` with the ``dion2_*``
       settings and the ``muon_*`` ones that apply: the Newton–Schulz
       schedule, steps, precision, scale; NorDion2's β is
-      ``muon_momentum``; Dion2 with ``muon_tp_mode`` one of the exact
-      modes runs sharded over ``build``'s mesh, each shard selecting its own
-      slices (microsoft/dion's ``"local"`` scope); NorDion2 has no
-      ``muon_tp_mode``), or ``"dion"`` (``om.dion``
+      ``muon_momentum``; with ``muon_tp_mode`` one of the exact modes they
+      run sharded over ``build``'s mesh, each shard selecting its own
+      slices, microsoft/dion's ``"local"`` scope), or ``"dion"`` (``om.dion``
       with ``dion_rank_fraction``, its ``ef_decay`` (microsoft/dion's
       ``mu``) ``muon_momentum``; precision and scale apply, no
       Newton–Schulz settings, no ``muon_tp_mode``).
@@ -240,24 +241,25 @@ class MuonConfig:
     _checks.check_choice(
       "dion_qr_method", self.dion_qr_method, dion_lib.QR_METHODS
     )
-    if self.optimizer == "dion2" and self.muon_tp_mode not in (
+    if self.optimizer in DION2_FAMILY and self.muon_tp_mode not in (
       None,
       *sharding_lib.EXACT_MODES,
     ):
       raise ValueError(
         f"muon_tp_mode={self.muon_tp_mode!r} is not accepted with "
-        "optimizer='dion2' (its selected slices are orthogonalized whole); "
+        f"optimizer={self.optimizer!r} (its selected slices are "
+        "orthogonalized whole); "
         "accepted values: None (the whole matrix's selection, partitioned "
         f"by XLA) or one of {sharding_lib.EXACT_MODES} (each shard selects "
         "its own slices, microsoft/dion's local scope)"
       )
     if self.optimizer in WITHOUT_TP_MODE and (
-      (self.optimizer != "dion2" and self.muon_tp_mode is not None)
+      (self.optimizer not in DION2_FAMILY and self.muon_tp_mode is not None)
       or self.use_layer_wise_distributed_optimizer
     ):
       raise ValueError(
         f"optimizer={self.optimizer!r} has no "
-        + ("" if self.optimizer == "dion2" else "muon_tp_mode or ")
+        + ("" if self.optimizer in DION2_FAMILY else "muon_tp_mode or ")
         + "use_layer_wise_distributed_optimizer yet (its update is the same "
         "on any sharding; XLA partitions it under jit); unset it, or use "
         "optimizer='muon' or 'muon_bp'"
@@ -356,8 +358,9 @@ class MuonConfig:
 
   @property
   def _dion2_sharded(self) -> bool:
-    """Dion2 with an exact ``muon_tp_mode``: its local selection scope."""
-    return self.optimizer == "dion2" and self.muon_tp_mode is not None
+    """Dion2 or NorDion2 with an exact ``muon_tp_mode``: their local
+    selection scope."""
+    return self.optimizer in DION2_FAMILY and self.muon_tp_mode is not None
 
   @property
   def tp_mode(self) -> types.TensorParallelMode:
@@ -593,9 +596,9 @@ class MuonConfig:
     self, learning_rate, *, beta, nesterov, momentum_style, sharding, **kwargs
   ):
     """``om.dion2`` or ``om.nordion2`` from ``build``'s Muon keywords; the
-    momentum's do not apply (a sum, decayed where selected). Dion2 gets
-    ``sharding`` when ``muon_tp_mode`` names an exact mode (each shard
-    selects its own slices); NorDion2 never does (not built)."""
+    momentum's do not apply (a sum, decayed where selected). ``sharding``
+    is set when ``muon_tp_mode`` names an exact mode (each shard selects
+    its own slices)."""
     del nesterov, momentum_style
     if self.optimizer == "dion2":
       return dion2_lib.dion2(
@@ -605,12 +608,12 @@ class MuonConfig:
         sharding=sharding,
         **kwargs,
       )
-    del sharding
     return dion2_lib.nordion2(
       learning_rate,
       fraction=self.dion2_fraction,
       beta=beta,
       beta2=self.nordion2_beta2,
+      sharding=sharding,
       **kwargs,
     )
 

@@ -25,12 +25,14 @@ each shard of a split matrix selects its own slices (``dion2_local``).
 """
 
 import dataclasses
+import functools
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
@@ -138,11 +140,6 @@ def scale_by_dion2(
       f"sharding.mode={sharding.mode!r} is not accepted for Dion2; accepted "
       f"values: {list(EXACT_MODES)} (the selection is orthogonalized whole)"
     )
-  if normalize_neurons and sharding is not None:
-    raise ValueError(
-      f"sharding={sharding!r} is not accepted for NorDion2 yet; accepted "
-      "values: None (XLA partitions the whole-matrix selection)"
-    )
   _checks.check_range("beta2", beta2, 0.0, 1.0)
   _checks.check_choice("scale_mode", scale_mode, shape_scale.SCALE_MODES)
   mu_dtype = canonical_dtype("mu_dtype", mu_dtype)
@@ -172,15 +169,16 @@ def scale_by_dion2(
     momentum = jax.tree.map(
       lambda p: jnp.zeros_like(p, dtype=mu_dtype or jnp.result_type(p)), params
     )
-    local_plans(params, resolve_views(params))  # a leaf it cannot select
+    views = resolve_views(params)
+    plans = local_plans(params, views)  # a leaf it cannot select raises
     if not normalize_neurons:
       return Dion2State(momentum, None)
     variance = [
       tuple(
-        jnp.zeros_like(piece[:, :1, :], jnp.float32)
+        placed(jnp.zeros_like(piece[:, :1, :], jnp.float32), plan)
         for piece in view.to_matrices(selection.replicated(leaf))
       )
-      for _, leaf, view in resolve_views(params)
+      for (_, leaf, view), plan in zip(views, plans)
     ]
     treedef = jax.tree.structure(params)
     return Dion2State(momentum, jax.tree.unflatten(treedef, variance))
@@ -225,9 +223,18 @@ def scale_by_dion2(
     if sharding is None or selection_scope == "global":
       return [None] * len(views)
     return [
-      dion2_local.plan(view, spec, sharding, fraction)
+      dion2_local.plan(view, spec, sharding, fraction, normalize_neurons)
       for (_, _, view), spec in zip(views, sharding.leaf_specs(tree))
     ]
+
+  def placed(variance, plan):
+    """NorDion2's variance of a locally selected leaf, split as its
+    selected neurons from the start (the state keeps one sharding)."""
+    if plan is None:
+      return variance
+    return jax.device_put(
+      variance, NamedSharding(sharding.mesh, plan.variance_spec)
+    )
 
   def scaled(o, fan_in, fan_out):
     """``o`` times the whole matrix's shape factor and ``extra`` (on the
@@ -235,9 +242,9 @@ def scale_by_dion2(
     factor = shape_scale.scale_factor(fan_out, fan_in, scale_mode)
     return o * jnp.asarray(factor, o.dtype) * extra
 
-  def local_step(plans, momenta, gradients, views):
+  def local_step(plans, momenta, gradients, views, variances):
     """Each shard's own selection (``dion2_local``): ``(directions, new
-    momenta)``, sharded as the momenta."""
+    momenta, new variances)``, sharded as the momenta."""
     selections = [
       dion2_local.select(plan, m, g, ef_decay, sharding.mesh)
       for plan, m, g in zip(plans, momenta, gradients)
@@ -254,19 +261,28 @@ def scale_by_dion2(
         ),
       )
     ).update([selected for selected, _, _ in selections], optax.EmptyState())
-    directions = [
-      dion2_local.scatter(
-        plan,
-        scaled(o.astype(m.dtype), view.fan_in, view.fan_out),
-        index,
-        m,
-        sharding.mesh,
+    directions, new_variances = [], []
+    for plan, o, (_, _, index), m, view, variance in zip(
+      plans, orthogonal, selections, momenta, views, variances
+    ):
+      scale = functools.partial(
+        scaled, fan_in=view.fan_in, fan_out=view.fan_out
       )
-      for plan, o, (_, _, index), m, view in zip(
-        plans, orthogonal, selections, momenta, views
-      )
-    ]
-    return directions, [decayed for _, decayed, _ in selections]
+      if normalize_neurons:
+        (v,) = variance  # one matrix piece: local leaves have no splits
+        d, v = dion2_local.scatter(
+          plan, o, index, m, sharding.mesh, scale, v, beta2
+        )
+        new_variances.append((v,))
+      else:
+        d = dion2_local.scatter(plan, o, index, m, sharding.mesh, scale)
+        new_variances.append(())
+      directions.append(d)
+    return (
+      directions,
+      [decayed for _, decayed, _ in selections],
+      new_variances,
+    )
 
   def update_fn(updates, state, params=None):
     del params
@@ -303,9 +319,10 @@ def scale_by_dion2(
         [old_momenta[i] for i in split],
         [gradients[i] for i in split],
         [views[i][2] for i in split],
+        [variances[i] for i in split],
       )
-      for i, d, m in zip(split, *outputs):
-        directions[i], new_momenta[i] = d, m
+      for i, d, m, v in zip(split, *outputs):
+        directions[i], new_momenta[i], new_variances[i] = d, m, v
     variance = (
       jax.tree.unflatten(treedef, new_variances) if normalize_neurons else None
     )
@@ -417,6 +434,8 @@ def nordion2(
   weight_decay_mask: types.PerLeaf = None,
   labels: types.PerLeaf = None,
   state_memory_kind: types.MemoryKind | None = None,
+  sharding: TensorParallel | None = None,
+  selection_scope: str = "local",
   **scalar_kwargs,
 ) -> optax.GradientTransformation:
   r"""NorDion2 for the matrices, AdamW for the rest: ``dion2`` selecting
@@ -424,14 +443,19 @@ def nordion2(
   the root of its running mean square (decay ``beta2``) and the selection
   rescaled to its Frobenius norm (NorMuon's normalization).
 
-  ``nesterov`` and ``momentum_style`` do not apply, nor ``sharding`` yet
-  (see ``dion2``); the other arguments are ``dion2``'s.
+  ``nesterov`` and ``momentum_style`` do not apply; the other arguments
+  are ``dion2``'s. With ``sharding`` and ``selection_scope="local"`` (the
+  default, microsoft/dion's) a matrix split along ``fan_out`` selects and
+  normalizes each shard's own neurons; one split along ``fan_in`` is
+  refused at ``init`` (as dion refuses it): use ``"global"`` there.
 
   Args:
     learning_rate: a float or an optax schedule.
     fraction: the share of each matrix's output neurons updated per step.
     beta: the momentum: the selected neurons' error-feedback decay.
     beta2: the second moment's decay.
+    sharding: ``None`` or an ``om.TensorParallel`` with an exact mode.
+    selection_scope: ``"local"`` or ``"global"`` (see ``scale_by_dion2``).
     **scalar_kwargs: ``om.muon``'s ``scalar_optimizer`` and ``adam_*``.
 
   Returns:

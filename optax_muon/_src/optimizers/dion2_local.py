@@ -16,15 +16,24 @@ mode (``allgather``: one all-to-all each way), so the bytes and the
 Newton–Schulz FLOPs are ``fraction`` of a whole matrix's. It depends on the
 sharding (each shard's best slices, not the matrix's); a matrix that is not
 split over the axis is selected whole, as the ``"global"`` scope does.
+
+NorDion2 selects output neurons, so its matrices must be split along
+``fan_out`` (torch's rows, as microsoft/dion requires); each shard
+normalizes its own selected neurons by their running second moments (its
+slice of the variance) and rescales them to their Frobenius norm on that
+shard, as dion does on each rank.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
+from optax_muon._src.optimizers.dion2_selection import normalize_neurons
 from optax_muon._src.optimizers.dion2_selection import selected_count
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.tensor_parallel import tp_dim_of
@@ -62,6 +71,18 @@ class LocalLeaf:
       for d in range(ndim)
     )
 
+  @property
+  def variance_spec(self) -> P:
+    """NorDion2's ``(matrices, 1, fan_out)`` variance, split as the leaf's
+    batch axis (at most one is split) and its selected ``fan_out``."""
+    batch = [
+      axes
+      for d, axes in enumerate(self.spec)
+      if d not in (self.axis, self.other)
+    ]
+    split = [axes for axes in batch if axes]
+    return P(split[0] if split else None, None, self.spec[self.axis] or None)
+
   def dimension_numbers(self) -> MuonDimensionNumbers:
     return MuonDimensionNumbers(
       reduction_axis=min(self.axis, self.other),
@@ -70,13 +91,37 @@ class LocalLeaf:
 
 
 def plan(
-  view: layout_lib.MatrixView, spec, tp: TensorParallel, fraction
+  view: layout_lib.MatrixView,
+  spec,
+  tp: TensorParallel,
+  fraction,
+  neurons: bool = False,
 ) -> LocalLeaf | None:
   """The leaf's local selection, or ``None`` when it is not split over the
-  tensor-parallel axis along a matrix axis (then local is global)."""
+  tensor-parallel axis along a matrix axis (then local is global).
+  ``neurons``: NorDion2's, which must be split along ``fan_out``."""
   tp_dim = tp_dim_of(view, spec, tp)
   if tp_dim is None:
     return None
+  if neurons and tp_dim not in view.output_axes:
+    raise ValueError(
+      f"NorDion2's selection_scope='local' selects each shard's output "
+      f"neurons, but a leaf of shape {view.shape} is split over the "
+      f"tensor-parallel axis along its fan-in axis {tp_dim} (microsoft/dion "
+      "refuses it too); accepted: leaves split along fan_out, or "
+      "selection_scope='global'"
+    )
+  batch_split = [
+    d
+    for d, axes in enumerate(spec)
+    if axes and d not in (*view.reduction_axes, *view.output_axes)
+  ]
+  if neurons and len(batch_split) > 1:
+    raise ValueError(
+      f"NorDion2's selection_scope='local' keeps one variance per matrix; a "
+      f"leaf of shape {view.shape} has several split batch axes "
+      f"{batch_split}; accepted: at most one, or selection_scope='global'"
+    )
   if view.widths or len(view.reduction_axes) + len(view.output_axes) != 2:
     raise ValueError(
       f"selection_scope='local' selects each shard's slices of a leaf with one "
@@ -153,19 +198,73 @@ def select(leaf: LocalLeaf, momentum, gradient, ef_decay, mesh):
   )(momentum, gradient)
 
 
-def scatter(leaf: LocalLeaf, orthogonal, index, shape_like, mesh):
-  """The update: zeros of ``shape_like``'s shape with ``orthogonal``'s
-  slices (already scaled: a scale after the scatter would build a second
-  leaf-sized array) at ``index`` on each shard."""
+def _as_stack(x, kinds: str):
+  """``x`` as ``(matrices, other, selected)`` (batch axes flattened, in
+  order), and the function that puts such a stack back as ``x``."""
+  order = [d for d, k in enumerate(kinds) if k == "b"]
+  order += [kinds.index("o"), kinds.index("s")]
+  moved = jnp.transpose(x, order)
+  stack = moved.reshape((-1, *moved.shape[-2:]))
 
-  def body(o, i, like):
-    return _per_matrix(_put, leaf.kinds(o.ndim))(o.astype(like.dtype), i, like)
+  def back(y):
+    return jnp.transpose(y.reshape(moved.shape), np.argsort(order))
+
+  return stack, back
+
+
+def _normalized(leaf: LocalLeaf, mesh, o, index, variance, beta2):
+  """NorDion2's normalization of one shard's selected neurons ``o``, their
+  fan-in sums totalled over any mesh axis splitting ``fan_in``."""
+  kinds = leaf.kinds(o.ndim)
+  stack, back = _as_stack(o, kinds)
+  indices, _ = _as_stack(index, kinds)
+  axes = leaf.spec[leaf.other]
+  normalized, variance = normalize_neurons(
+    stack,
+    variance,
+    indices[:, 0, :],
+    beta2,
+    summed=lambda x: _summed_over(x, axes),
+    shards=math.prod(mesh.shape[a] for a in axes),
+  )
+  return back(normalized), variance
+
+
+def scatter(
+  leaf: LocalLeaf,
+  orthogonal,
+  index,
+  shape_like,
+  mesh,
+  scale,
+  variance=None,
+  beta2=None,
+):
+  """The update: zeros of ``shape_like``'s shape with ``scale`` of
+  ``orthogonal``'s slices at ``index`` on each shard (scaled before they
+  are put back: a scale after would build a second leaf-sized array). With
+  NorDion2's ``variance``, the slices are first normalized on each shard;
+  then ``(update, new variance)``."""
+  kinds = leaf.kinds(shape_like.ndim)
+
+  def body(o, i, like, *v):
+    if v:
+      o, new_variance = _normalized(leaf, mesh, o, i, v[0], beta2)
+    put = _per_matrix(_put, kinds)(scale(o.astype(like.dtype)), i, like)
+    return (put, new_variance) if v else put
 
   spec = leaf.partition_spec
+  in_specs: tuple[P, ...] = (spec, leaf.index_spec, spec)
+  out_specs: P | tuple[P, P] = spec
+  operands: tuple = (orthogonal, index, shape_like)
+  if variance is not None:
+    in_specs += (leaf.variance_spec,)
+    out_specs = (spec, leaf.variance_spec)
+    operands += (variance,)
   return jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=(spec, leaf.index_spec, spec),
-    out_specs=spec,
+    in_specs=in_specs,
+    out_specs=out_specs,
     check_vma=False,
-  )(orthogonal, index, shape_like)
+  )(*operands)

@@ -75,19 +75,22 @@ def selected_mask(n: int, index: jax.Array, axis: int) -> jax.Array:
   return chosen[:, None, :] if axis == -1 else chosen[:, :, None]
 
 
-def normalize_neurons(o, v, index, beta2):
+def normalize_neurons(o, v, index, beta2, summed=lambda x: x, shards=1):
   """NorMuon's step on the selected neurons ``o`` ``(matrices, fan_in, k)``:
   their second moments (taken from ``v`` at ``index``) move toward the mean
   square over ``fan_in``; ``o`` is divided by their root and rescaled to its
-  Frobenius norm. Returns ``(normalized o, v with those moments written)``."""
+  Frobenius norm. Returns ``(normalized o, v with those moments written)``.
+  With ``fan_in`` split into ``shards`` (the local scope under FSDP),
+  ``summed`` totals a sum over ``fan_in`` across them."""
   o = o.astype(jnp.float32)
   moment = jnp.take_along_axis(v, index[:, None, :], axis=-1)
-  moment = moment + (1 - beta2) * (
-    jnp.mean(jnp.square(o), axis=-2, keepdims=True) - moment
+  square_mean = summed(jnp.sum(jnp.square(o), axis=-2, keepdims=True)) / (
+    o.shape[-2] * shards
   )
+  moment = moment + (1 - beta2) * (square_mean - moment)
   normalized = o / (jnp.sqrt(moment) + _NORMUON_EPS)
   norm = lambda x: jnp.sqrt(
-    jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)
+    summed(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
   )
   normalized = normalized * (
     norm(o) / jnp.maximum(norm(normalized), _NORMUON_EPS)

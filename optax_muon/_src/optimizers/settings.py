@@ -121,10 +121,6 @@ NOT_APPLICABLE["scale_by_dion"] = NOT_APPLICABLE["dion"]
 NOT_APPLICABLE["nordion2"] = {
   name: NOT_APPLICABLE["dion2"][name] for name in ("nesterov", "momentum_style")
 }
-NOT_APPLICABLE["nordion2"]["sharding"] = (
-  "not yet: under jax.jit XLA partitions sharded params, and the selection "
-  "is the whole matrix's"
-)
 
 
 def forward(
