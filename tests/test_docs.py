@@ -172,6 +172,30 @@ def test_the_muon_bp_paragraph_is_the_recorded_runs():
   assert f"Its step costs {ratio:.2f}× Muon's" in page
 
 
+def test_the_dion2_paragraph_is_the_recorded_runs():
+  """docs/performance.md's Dion2 figures on the small preset, against
+  results/small_dion2/summary.json: at fraction 1 Dion2 is Muon without
+  Nesterov (within 0.01), and the gap grows as the fraction shrinks."""
+  summary = json.loads(
+    (ROOT / "results" / "small_dion2" / "summary.json").read_text()
+  )
+  page = " ".join((ROOT / "docs" / "performance.md").read_text().split())
+  seed0 = {
+    (r["optimizer"], r.get("fraction")): r["final_val_loss"]
+    for r in summary["runs"]
+    if r["seed"] == 0 and r["lr"] == 0.008
+  }
+  plain = seed0[("muon", None)]
+  by_fraction = [seed0[("dion2", f)] for f in (1.0, 0.5, 0.25)]
+  assert f"**Fraction 1: {by_fraction[0]:.3f}**" in page
+  assert f"`optim.muon_nesterov=false` **{plain:.3f}**" in page
+  assert (
+    f"Fraction 0.5: {by_fraction[1]:.3f}; 0.25: {by_fraction[2]:.3f}" in page
+  )
+  assert abs(by_fraction[0] - plain) <= 0.01
+  assert by_fraction == sorted(by_fraction)
+
+
 def test_the_api_reference_lists_every_public_name():
   from optax_muon import compat
 
