@@ -62,6 +62,27 @@ class Dion2State(NamedTuple):
   variance: Any
 
 
+def _check_selection(fraction, ef_decay, sharding, selection_scope) -> None:
+  """Raises ``ValueError`` naming the first selection setting not accepted."""
+  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+    raise ValueError(
+      f"fraction={fraction!r} is not accepted; accepted values: a number "
+      "in (0, 1]"
+    )
+  if not 0 < fraction <= 1:
+    raise ValueError(
+      f"fraction={fraction!r} is not accepted; accepted values: (0, 1]"
+    )
+  _checks.check_range("ef_decay", ef_decay, 0.0, 1.0 + 1e-12)
+  _checks.check_choice("selection_scope", selection_scope, SELECTION_SCOPES)
+  sharding_lib.check_sharding(sharding)
+  if sharding is not None and sharding.mode not in EXACT_MODES:
+    raise ValueError(
+      f"sharding.mode={sharding.mode!r} is not accepted for Dion2; accepted "
+      f"values: {list(EXACT_MODES)} (the selection is orthogonalized whole)"
+    )
+
+
 def scale_by_dion2(
   *,
   fraction: types.Numeric = 0.25,
@@ -123,23 +144,7 @@ def scale_by_dion2(
     Ahn et al., `Dion2 <https://arxiv.org/abs/2512.16928>`_, 2025;
     microsoft/dion ``dion/dion2.py``, ``dion/nordion2.py``
   """
-  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-    raise ValueError(
-      f"fraction={fraction!r} is not accepted; accepted values: a number "
-      "in (0, 1]"
-    )
-  if not 0 < fraction <= 1:
-    raise ValueError(
-      f"fraction={fraction!r} is not accepted; accepted values: (0, 1]"
-    )
-  _checks.check_range("ef_decay", ef_decay, 0.0, 1.0 + 1e-12)
-  _checks.check_choice("selection_scope", selection_scope, SELECTION_SCOPES)
-  sharding_lib.check_sharding(sharding)
-  if sharding is not None and sharding.mode not in EXACT_MODES:
-    raise ValueError(
-      f"sharding.mode={sharding.mode!r} is not accepted for Dion2; accepted "
-      f"values: {list(EXACT_MODES)} (the selection is orthogonalized whole)"
-    )
+  _check_selection(fraction, ef_decay, sharding, selection_scope)
   _checks.check_range("beta2", beta2, 0.0, 1.0)
   _checks.check_choice("scale_mode", scale_mode, shape_scale.SCALE_MODES)
   mu_dtype = canonical_dtype("mu_dtype", mu_dtype)
