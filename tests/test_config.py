@@ -63,6 +63,7 @@ DEFAULTS = {
   "nordion2_beta2": 0.95,
   "dion_rank_fraction": 1.0,
   "dion_qr_method": "qr",
+  "dion2_selection_scope": "local",
 }
 
 
@@ -565,6 +566,10 @@ def test_the_family_names_build_their_optimizer(overrides, build):
     (["optimizer=nordion2", "muon_momentum_bits=8"], "muon_momentum_bits"),
     (["optimizer=dion2", "dion2_fraction=1.5"], "dion2_fraction"),
     (["optimizer=dion2", "dion2_ef_decay=-1"], "dion2_ef_decay"),
+    (
+      ["optimizer=dion2", "dion2_selection_scope=shard"],
+      "dion2_selection_scope",
+    ),
     (["optimizer=nordion2", "nordion2_beta2=1"], "nordion2_beta2"),
     (["optimizer=muon_bp", "muon_bp_period=0"], "muon_bp_period"),
     (["optimizer=dion", "dion_rank_fraction=0"], "dion_rank_fraction"),
@@ -621,3 +626,36 @@ def test_dion2_with_an_exact_tp_mode_selects_in_each_shard():
   assert (
     max(float(jnp.abs(a - b).max()) for a, b in zip(got, run(whole))) > 1e-3
   )
+
+
+def test_dion2_selection_scope_global_takes_what_the_local_scope_refuses():
+  # a (16, 4, 8) kernel with two fan-out axes split over model: the local
+  # scope refuses it at init, naming the config field; global takes it and
+  # is the unsharded update
+  mesh = jax.make_mesh((2,), ("model",), axis_types=(AxisType.Auto,))
+  specs = {"heads": P(None, "model", None)}
+  dims = {"heads": om.MuonDimensionNumbers(0, (1, 2))}
+  params = {"heads": gaussian((16, 4, 8), 0)}
+  grads = {"heads": gaussian((16, 4, 8), 1)}
+  fields = [
+    "optimizer=dion2",
+    "lr=0.02",
+    "clip_grad=0",
+    "muon_fp32_matmul_prec=highest",
+    "muon_tp_mode=allgather",
+  ]
+  build = lambda cfg: cfg.build(
+    params=params, mesh=mesh, specs=specs, dimension_numbers=dims
+  )
+  local = build(om.MuonConfig.from_overrides(fields))
+  with pytest.raises(ValueError, match="dion2_selection_scope='global'"):
+    local.init(params)
+  tx = build(
+    om.MuonConfig.from_overrides([*fields, "dion2_selection_scope=global"])
+  )
+  got, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  unsharded = om.MuonConfig.from_overrides(fields[:-1]).build(
+    params=params, dimension_numbers=dims
+  )
+  want, _ = unsharded.update(grads, unsharded.init(params), params)
+  chex.assert_trees_all_close(got, want, atol=1e-6)

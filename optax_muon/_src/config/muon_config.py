@@ -131,6 +131,10 @@ class MuonConfig:
     muon_bp_period: MuonBP's full orthogonalization every this many steps.
     dion2_fraction: the share of slices Dion2 / NorDion2 orthogonalize, (0, 1].
     dion2_ef_decay: Dion2's error-feedback decay, [0, 1].
+    dion2_selection_scope: with ``muon_tp_mode`` set, ``"local"`` (each
+      shard selects its own slices, microsoft/dion's default) or
+      ``"global"`` (the whole matrix's, for trees the local scope refuses:
+      split QKV or gate/up pieces on the tensor-parallel axis).
     nordion2_beta2: NorDion2's second-moment decay, [0, 1).
     dion_rank_fraction: Dion's rank as a share of each matrix's shorter
       side, (0, 1].
@@ -175,6 +179,7 @@ class MuonConfig:
   nordion2_beta2: float = 0.95
   dion_rank_fraction: float = 1.0
   dion_qr_method: str = "qr"
+  dion2_selection_scope: str = "local"
 
   def __post_init__(self):
     hints = typing.get_type_hints(type(self))
@@ -232,6 +237,11 @@ class MuonConfig:
         "values: (0, 1]"
       )
     _checks.check_range("dion2_ef_decay", self.dion2_ef_decay, 0.0, 1.0 + 1e-12)
+    _checks.check_choice(
+      "dion2_selection_scope",
+      self.dion2_selection_scope,
+      dion2_lib.SELECTION_SCOPES,
+    )
     _checks.check_range("nordion2_beta2", self.nordion2_beta2, 0.0, 1.0)
     if not 0 < self.dion_rank_fraction <= 1:
       raise ValueError(
@@ -606,6 +616,7 @@ class MuonConfig:
         fraction=self.dion2_fraction,
         ef_decay=self.dion2_ef_decay,
         sharding=sharding,
+        selection_scope=self.dion2_selection_scope,
         **kwargs,
       )
     return dion2_lib.nordion2(
@@ -614,6 +625,7 @@ class MuonConfig:
       beta=beta,
       beta2=self.nordion2_beta2,
       sharding=sharding,
+      selection_scope=self.dion2_selection_scope,
       **kwargs,
     )
 

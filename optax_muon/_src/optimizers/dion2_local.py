@@ -109,7 +109,7 @@ def plan(
       f"neurons, but a leaf of shape {view.shape} is split over the "
       f"tensor-parallel axis along its fan-in axis {tp_dim} (microsoft/dion "
       "refuses it too); accepted: leaves split along fan_out, or "
-      "selection_scope='global'"
+      "selection_scope='global' (MuonConfig: dion2_selection_scope='global')"
     )
   batch_split = [
     d
@@ -129,7 +129,9 @@ def plan(
       f"reduction axes {view.reduction_axes}, output axes "
       f"{view.output_axes}{' and split pieces' if view.widths else ''} is "
       "split over the tensor-parallel axis; accepted: "
-      "selection_scope='global' for such leaves' trees"
+      "selection_scope='global' for such leaves' trees (MuonConfig: "
+      "dion2_selection_scope='global'), or the leaf as one matrix (no "
+      "split_qkv / split_gate_up)"
     )
   other = (
     view.output_axes[0]
