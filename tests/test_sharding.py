@@ -488,6 +488,34 @@ def test_flax_model_with_partitioning_trains(mode):
   assert model.up.kernel.sharding.spec == P(None, "model")
 
 
+FAMILY_WITH_PIECES = {
+  # members whose state holds pieces not shaped like their param (a second
+  # moment per neuron, Dion's Q): nnx.Optimizer gave them the param's
+  # sharding and init raised IndivisibleError
+  "adaptive_muon_normuon": lambda tp: om.adaptive_muon(
+    0.02, moment2_method="normuon"
+  ),
+  "nordion2": lambda tp: om.nordion2(0.02),
+  "nordion2_sharded_global": lambda tp: om.nordion2(
+    0.02, sharding=tp, selection_scope="global"
+  ),
+  "dion": lambda tp: om.dion(0.02, rank_fraction=0.5),
+}
+
+
+@pytest.mark.parametrize("member", sorted(FAMILY_WITH_PIECES))
+def test_flax_model_with_partitioning_trains_every_state_shape(member):
+  mesh = _mesh((2, 4), AxisType.Auto)
+  with jax.set_mesh(mesh):
+    model = tp_mlp(nnx.Rngs(0))
+    specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+    tp = om.TensorParallel(mesh, mode="allgather", specs=specs)
+    tx = FAMILY_WITH_PIECES[member](tp)
+    losses = nnx_losses(model, tx, normal(jax.random.key(0), (32, 16)))
+  assert losses[2] < losses[1] < losses[0]
+  assert model.up.kernel.sharding.spec == P(None, "model")
+
+
 def test_bad_sharding_settings_raise():
   mesh = _mesh((2, 4))
   with pytest.raises(ValueError, match="sharding.axis"):

@@ -32,6 +32,7 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.base.trees import pieces_structure
 from optax_muon._src.kernels import matrices
 from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import settings
@@ -281,9 +282,7 @@ def scale_by_dion(
         pieces.append(q.astype(dtype))
         count += 1
       qs.append(tuple(pieces))
-    return DionState(
-      momentum, jax.tree.unflatten(jax.tree.structure(params), qs)
-    )
+    return DionState(momentum, jax.tree.unflatten(pieces_structure(params), qs))
 
   def update_fn(updates, state, params=None):
     del params
@@ -301,7 +300,9 @@ def scale_by_dion(
     )
     directions, momenta, qs = [], [], []
     for (_, b, view), leaf_qs, sharding in zip(
-      resolve_views(sums), treedef.flatten_up_to(state.q), shardings
+      resolve_views(sums),
+      pieces_structure(updates).flatten_up_to(state.q),
+      shardings,
     ):
       pieces, kept, new_qs = [], [], []
       # by position: flax's nnx.Optimizer hands a tuple back as a mapping
@@ -337,7 +338,8 @@ def scale_by_dion(
     direction, _ = shape.update(direction, shape.init(direction))
     direction = jax.tree.map(lambda d: d * extra, direction)
     return direction, DionState(
-      jax.tree.unflatten(treedef, momenta), jax.tree.unflatten(treedef, qs)
+      jax.tree.unflatten(treedef, momenta),
+      jax.tree.unflatten(pieces_structure(updates), qs),
     )
 
   shape = scaling.scale_by_shape(

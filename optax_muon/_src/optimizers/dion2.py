@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.base.trees import pieces_structure
 from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import dion2_local
 from optax_muon._src.optimizers import dion2_selection as selection
@@ -185,8 +186,9 @@ def scale_by_dion2(
       )
       for (_, leaf, view), plan in zip(views, plans)
     ]
-    treedef = jax.tree.structure(params)
-    return Dion2State(momentum, jax.tree.unflatten(treedef, variance))
+    return Dion2State(
+      momentum, jax.tree.unflatten(pieces_structure(params), variance)
+    )
 
   def global_step(views, variances, specs):
     """Whole-matrix selection of every leaf (``views``: ``(momentum
@@ -297,7 +299,7 @@ def scale_by_dion2(
     views = resolve_views(updates)
     plans = local_plans(updates, views)
     variances = (
-      treedef.flatten_up_to(state.variance)
+      pieces_structure(updates).flatten_up_to(state.variance)
       if normalize_neurons
       else [None] * len(gradients)
     )
@@ -329,7 +331,9 @@ def scale_by_dion2(
       for i, d, m, v in zip(split, *outputs):
         directions[i], new_momenta[i], new_variances[i] = d, m, v
     variance = (
-      jax.tree.unflatten(treedef, new_variances) if normalize_neurons else None
+      jax.tree.unflatten(pieces_structure(updates), new_variances)
+      if normalize_neurons
+      else None
     )
     return jax.tree.unflatten(treedef, directions), Dion2State(
       jax.tree.unflatten(treedef, new_momenta), variance

@@ -13,6 +13,7 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.base.trees import pieces_structure
 from optax_muon._src.kernels.matrices import frobenius
 from optax_muon._src.views import layout as layout_lib
 from optax_muon._src.views.layout import from_layout
@@ -110,7 +111,7 @@ def scale_by_moment2(
           for piece in view.to_matrices(leaf)
         )
       )
-    return Moment2State(jax.tree.unflatten(jax.tree.structure(params), moments))
+    return Moment2State(jax.tree.unflatten(pieces_structure(params), moments))
 
   def normalize(o, v, g=None, u=None):
     v = beta2 * v + (1 - beta2) * moment2_statistic(method, o, g)
@@ -141,7 +142,7 @@ def scale_by_moment2(
       )
     views = resolve_views(updates)
     treedef = jax.tree.structure(updates)
-    moments = treedef.flatten_up_to(state.moment2)
+    moments = pieces_structure(updates).flatten_up_to(state.moment2)
     grads = (
       treedef.flatten_up_to(gradients)
       if gradients is not None
@@ -168,7 +169,7 @@ def scale_by_moment2(
       new_moments.append(tuple(vs))
     return (
       jax.tree.unflatten(treedef, new_leaves),
-      Moment2State(jax.tree.unflatten(treedef, new_moments)),
+      Moment2State(jax.tree.unflatten(pieces_structure(updates), new_moments)),
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
