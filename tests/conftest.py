@@ -245,6 +245,14 @@ def _check_repeats_exist(config, items):
     )
 
 
+def _mark_repeat(item) -> None:
+  """Out of the fast tier (``integration``), and ``repeat``: a case whose
+  lines and branches the fast tier reaches already (CI runs these on the
+  oldest jax only, .ci/run)."""
+  item.add_marker(pytest.mark.integration)
+  item.add_marker(pytest.mark.repeat)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -k and -m deselect any case
 def pytest_collection_modifyitems(config, items):
   _check_repeats_exist(config, items)
@@ -255,7 +263,7 @@ def pytest_collection_modifyitems(config, items):
     ):
       continue
     if item.name.endswith("__without_jit"):
-      item.add_marker(pytest.mark.integration)
+      _mark_repeat(item)
       continue
     case = _parameter_values(item)
     if case is None:
@@ -265,11 +273,11 @@ def pytest_collection_modifyitems(config, items):
     if test in seen:
       covered_values, covered_parts = seen[test]
       if values <= covered_values or parts <= covered_parts:
-        item.add_marker(pytest.mark.integration)
+        _mark_repeat(item)
     else:
       covered_values, covered_parts = seen[test] = (set(), set())
     covered_values |= values
     covered_parts |= parts
   for item in items:  # after the rule above, which the list was made under
     if item.nodeid in _REPEATS:
-      item.add_marker(pytest.mark.integration)
+      _mark_repeat(item)
