@@ -133,17 +133,20 @@ DIMS = {
 }
 
 
-@pytest.mark.parametrize("mode", ["allgather", "distributed"])
+@pytest.mark.parametrize(
+  "member, mode",
+  [("dion2", "allgather"), ("dion2", "distributed"), ("nordion2", "allgather")],
+)
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)])
 def test_global_scope_under_sharding_equals_the_unsharded_update(
-  mesh_shape, mode
+  mesh_shape, member, mode
 ):
   mesh = jax.make_mesh(mesh_shape, ("data", "model"), axis_types=AUTO)
   params = _tree()
   sharded = jax.tree.map(
     lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, SPECS
   )
-  build = lambda **kw: om.dion2(
+  build = lambda **kw: getattr(om, member)(
     0.02, weight_decay=0.1, dimension_numbers=DIMS, **kw
   )
   sharding = om.TensorParallel(mesh, "model", mode, specs=SPECS)
@@ -152,32 +155,14 @@ def test_global_scope_under_sharding_equals_the_unsharded_update(
     build(sharding=sharding, selection_scope="global"), 3, sharded
   )
   chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
+  if member == "nordion2":  # its local scope refuses the fan-in split "row"
+    return
   # a leaf no shard splits is selected whole by the local scope too
   local, _ = _steps(build(sharding=sharding), 3, sharded)
   chex.assert_trees_all_close(
     local["replicated"], want["replicated"], atol=1e-5, rtol=0
   )
   assert np.abs(np.asarray(local["col"]) - np.asarray(want["col"])).max() > 1e-4
-
-
-@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)])
-def test_nordion2_global_scope_under_sharding_equals_the_unsharded_update(
-  mesh_shape,
-):
-  mesh = jax.make_mesh(mesh_shape, ("data", "model"), axis_types=AUTO)
-  params = _tree()
-  sharded = jax.tree.map(
-    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, SPECS
-  )
-  build = lambda **kw: om.nordion2(
-    0.02, weight_decay=0.1, dimension_numbers=DIMS, **kw
-  )
-  sharding = om.TensorParallel(mesh, "model", "allgather", specs=SPECS)
-  want, _ = _steps(build(), 3, params)
-  got, _ = _steps(
-    build(sharding=sharding, selection_scope="global"), 3, sharded
-  )
-  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
 
 
 def _collective_bytes(tx, mesh):
