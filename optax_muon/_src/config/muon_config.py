@@ -52,11 +52,14 @@ OPTIMIZERS = (
   "nordion2",
   "dion",
 )
-# the members whose update has no tensor-parallel mode (yet): XLA partitions
-# them under jit
+# the members with no Muon tensor-parallel mode of their own: without
+# muon_tp_mode XLA partitions them under jit
 WITHOUT_TP_MODE = ("dion2", "nordion2", "dion")
 # take an exact muon_tp_mode: each shard selects its own slices
 DION2_FAMILY = ("dion2", "nordion2")
+# Dion takes muon_tp_mode="distributed": its own scheme, each device keeps
+# its block of every matrix
+DION_TP_MODES = (None, "distributed")
 TP_MODES = sharding_lib.MODES
 
 
@@ -78,7 +81,8 @@ class MuonConfig:
       slices, microsoft/dion's ``"local"`` scope), or ``"dion"`` (``om.dion``
       with ``dion_rank_fraction``, its ``ef_decay`` (microsoft/dion's
       ``mu``) ``muon_momentum``; precision and scale apply, no
-      Newton–Schulz settings, no ``muon_tp_mode``).
+      Newton–Schulz settings; ``muon_tp_mode="distributed"`` runs Dion's
+      own scheme over ``build``'s mesh, each device keeping its block).
     lr: learning rate of both groups (verl's default 1e-6, for fine-tuning;
       ``build`` may pass a schedule instead).
     adam_lr: the AdamW (scalar) group's own learning rate with
@@ -263,16 +267,21 @@ class MuonConfig:
         f"by XLA) or one of {sharding_lib.EXACT_MODES} (each shard selects "
         "its own slices, microsoft/dion's local scope)"
       )
-    if self.optimizer in WITHOUT_TP_MODE and (
-      (self.optimizer not in DION2_FAMILY and self.muon_tp_mode is not None)
-      or self.use_layer_wise_distributed_optimizer
+    if self.optimizer == "dion" and self.muon_tp_mode not in DION_TP_MODES:
+      raise ValueError(
+        f"muon_tp_mode={self.muon_tp_mode!r} is not accepted with "
+        "optimizer='dion'; accepted values: None (a split matrix gathered "
+        "for its step, or partitioned by XLA) or 'distributed' (Dion's own "
+        "scheme: each device keeps its block, P and R are all-reduced)"
+      )
+    if (
+      self.optimizer in WITHOUT_TP_MODE
+      and self.use_layer_wise_distributed_optimizer
     ):
       raise ValueError(
-        f"optimizer={self.optimizer!r} has no "
-        + ("" if self.optimizer in DION2_FAMILY else "muon_tp_mode or ")
-        + "use_layer_wise_distributed_optimizer yet (its update is the same "
-        "on any sharding; XLA partitions it under jit); unset it, or use "
-        "optimizer='muon' or 'muon_bp'"
+        "use_layer_wise_distributed_optimizer=True is not accepted with "
+        f"optimizer={self.optimizer!r} (it orthogonalizes no whole stack to "
+        "share out); accepted: False, or optimizer='muon' or 'muon_bp'"
       )
     if (
       self.optimizer in WITHOUT_TP_MODE and self.muon_momentum_bits is not None
@@ -367,10 +376,10 @@ class MuonConfig:
     return float(self.muon_extra_scale_factor)
 
   @property
-  def _dion2_sharded(self) -> bool:
-    """Dion2 or NorDion2 with an exact ``muon_tp_mode``: their local
-    selection scope."""
-    return self.optimizer in DION2_FAMILY and self.muon_tp_mode is not None
+  def _family_sharded(self) -> bool:
+    """Dion2 or NorDion2 with an exact ``muon_tp_mode`` (their local
+    selection scope), or Dion with ``"distributed"`` (its own scheme)."""
+    return self.optimizer in WITHOUT_TP_MODE and self.muon_tp_mode is not None
 
   @property
   def tp_mode(self) -> types.TensorParallelMode:
@@ -490,7 +499,7 @@ class MuonConfig:
       )
     sharding = None
     if mesh is not None and (
-      self.optimizer not in WITHOUT_TP_MODE or self._dion2_sharded
+      self.optimizer not in WITHOUT_TP_MODE or self._family_sharded
     ):
       axes = list(mesh.axis_names)
       if tp_axis not in axes:
@@ -642,14 +651,15 @@ class MuonConfig:
     **kwargs,
   ):
     """``om.dion`` from ``build``'s Muon keywords: ``muon_momentum`` is its
-    ``ef_decay``; the Newton–Schulz settings and ``sharding`` do not
-    apply."""
-    del nesterov, momentum_style, sharding, coefficients, steps
+    ``ef_decay``; the Newton–Schulz settings do not apply. ``sharding`` is
+    set when ``muon_tp_mode="distributed"`` (Dion's own scheme)."""
+    del nesterov, momentum_style, coefficients, steps
     return dion_lib.dion(
       learning_rate,
       rank_fraction=self.dion_rank_fraction,
       qr_method=self.dion_qr_method,
       ef_decay=beta,
+      sharding=sharding,
       **kwargs,
     )
 

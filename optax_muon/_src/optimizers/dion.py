@@ -16,12 +16,20 @@ Householder QR here gives dion's randomized Cholesky QR's update. The rank
 is ``r = min(⌈rank_fraction · n / rank_multiple_of⌉ · rank_multiple_of, n)``
 of the shorter side ``n``; the first ``Q`` is Gaussian (``seed``).
 
+The step itself is ``dion_power``'s. Without a ``sharding``, a matrix
+split across devices is gathered for its step (or, on Auto meshes,
+partitioned by XLA); with an ``om.TensorParallel`` in mode
+``"distributed"`` each device keeps its block and only ``rows × r`` and
+``n × r`` products travel (``dion_distributed``: microsoft/dion's
+``dion_update_fsdp_tp``).
+
 Under SPMD the momentum is the global one (JAX averages gradients before
 the update), so dion's compressed data-parallel all-reduce of ``P`` and
-``R`` and its ``synchronize_for_checkpoint`` have nothing to do: every
-device holds the same state, and a checkpoint is exact as saved.
+``R`` and its ``synchronize_for_checkpoint`` have nothing to do: the state
+is one global array per piece, and a checkpoint is exact as saved.
 """
 
+import functools
 import math
 from typing import Any
 from typing import NamedTuple
@@ -35,12 +43,18 @@ from optax_muon._src.base import types
 from optax_muon._src.base.trees import pieces_structure
 from optax_muon._src.kernels import matrices
 from optax_muon._src.kernels import shape_scale
+from optax_muon._src.optimizers import dion_distributed
+from optax_muon._src.optimizers import dion_power
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.dion2_selection import explicit_sharding
 from optax_muon._src.optimizers.dion2_selection import replicated
 from optax_muon._src.optimizers.dion2_selection import resharded
+from optax_muon._src.optimizers.dion_power import QR_METHODS
+from optax_muon._src.optimizers.dion_power import dion_rank
 from optax_muon._src.optimizers.route import route
+from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel import waves
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.transforms.scaling import resolve_extra_scale_factor
@@ -57,176 +71,11 @@ class DionState(NamedTuple):
   q: Any
 
 
-def dion_rank(rank_fraction: float, rank_multiple_of: int, shape) -> int:
-  """The rank ``r`` of a ``(rows, columns)`` matrix: microsoft/dion's
-  ``rank_fraction · min`` rounded up to ``rank_multiple_of``, at most the
-  shorter side."""
-  shorter = min(shape)
-  r = rank_multiple_of * math.ceil(rank_fraction * shorter / rank_multiple_of)
-  return min(r, shorter)
-
-
-def _tall(piece: jax.Array) -> tuple[jax.Array, bool]:
-  """``piece`` ``(matrices, fan_in, fan_out)`` on its tall side, and whether
-  it was turned: ``(fan_out, fan_in)`` unless ``fan_in`` is longer
-  (microsoft/dion's ``(out, in)``, transposed when wide)."""
-  turned = piece.shape[-2] <= piece.shape[-1]
-  return (jnp.swapaxes(piece, -1, -2) if turned else piece), turned
-
-
-def _untall(x: jax.Array, turned: bool) -> jax.Array:
-  return jnp.swapaxes(x, -1, -2) if turned else x
-
-
-QR_METHODS = ("qr", "rcqr")
-# microsoft/dion's rcqr_oversample: the sketch has ⌈1.25 r / 128⌉ · 128 rows
-_OVERSAMPLE = 1.25
-
-
-def sketch_rows(r: int) -> int:
-  """The rows of rcqr's random sketch for rank ``r``."""
-  return 128 * math.ceil(_OVERSAMPLE * r / 128)
-
-
-def _householder(p: jax.Array) -> jax.Array:
-  """An orthonormal basis of ``p``'s columns: its QR's ``Q`` (float32)."""
-  return jnp.linalg.qr(p.astype(jnp.float32), mode="reduced")[0]
-
-
-def _times_inverse(x: jax.Array, triangle: jax.Array, lower: bool):
-  """``x · triangle⁻¹`` as a product with the small inverse, so that a
-  row-sharded ``x`` stays sharded."""
-  eye = jnp.broadcast_to(jnp.eye(triangle.shape[-1]), triangle.shape)
-  inverse = jax.scipy.linalg.solve_triangular(triangle, eye, lower=lower)
-  return matrices.matmul(x, inverse, "highest")
-
-
-def _sketched_cholesky(p: jax.Array, key: jax.Array) -> jax.Array:
-  """microsoft/dion's randomized Cholesky QR (``rcqr``) of the tall ``p``:
-  ``R`` from the QR of the small sketch ``S p`` (``sketch_rows(r) × r``),
-  ``p R⁻¹``, then one Cholesky QR round. Only ``S p`` and an ``r × r``
-  Gram cross a sharded row axis, and the basis is QR's (its ``R`` upper
-  triangular), so the step is ``"qr"``'s up to rounding; a rank-deficient
-  ``p`` gives NaN, zeroed by the caller (as dion does)."""
-  p = p.astype(jnp.float32)
-  rows, r = p.shape[-2:]
-  count = sketch_rows(r)
-  sketch = jax.random.normal(key, (count, rows)) / math.sqrt(count)
-  upper = jnp.linalg.qr(matrices.matmul(sketch, p, "highest"), mode="r")
-  p = _times_inverse(p, upper, lower=False)
-  gram = matrices.matmul(jnp.swapaxes(p, -1, -2), p, "highest")
-  lower = jnp.linalg.cholesky(gram)  # gram = L Lᵀ: p L⁻ᵀ is orthonormal
-  return _times_inverse(p, jnp.swapaxes(lower, -1, -2), lower=False)
-
-
-def dion_step(
-  b, q, *, ef_decay, power_iters, epsilon, precision, sketch_key=None
-):
-  """One Dion step on a tall stack ``b`` ``(matrices, rows, n)`` from ``q``
-  ``(matrices, n, r)``: ``(direction P Qᵀ, new momentum, new Q)``, float32.
-
-  ``P`` is orthonormalized by Householder QR, or by dion's randomized
-  Cholesky QR with ``sketch_key``. A zero matrix gives a zero direction and
-  keeps its ``q`` (microsoft/dion's ``fix_all_zero_or_nan``)."""
-  b = b.astype(jnp.float32)
-  transposed = jnp.swapaxes(b, -1, -2)
-  r = q
-  for _ in range(power_iters):
-    p = matrices.matmul(b, r, precision)
-    p = (
-      _householder(p)
-      if sketch_key is None
-      else _sketched_cholesky(p, sketch_key)
-    )
-    r = matrices.matmul(transposed, p, precision)
-  zero = jnp.all(b == 0, axis=(-2, -1), keepdims=True)
-  p = jnp.where(zero, 0.0, jnp.nan_to_num(p))
-  r = jnp.where(zero, q, jnp.nan_to_num(r))
-  captured = matrices.matmul(p, jnp.swapaxes(r, -1, -2), precision)
-  momentum = b - (1 - ef_decay) * captured
-  q = r / (jnp.sqrt(jnp.sum(jnp.square(r), axis=-2, keepdims=True)) + epsilon)
-  direction = matrices.matmul(p, jnp.swapaxes(q, -1, -2), precision)
-  return direction, momentum, q
-
-
-def wave_bytes(rows: int, n: int, r: int) -> int:
-  """The float32 bytes one matrix's step keeps live, whole: ``B``, its
-  captured part and the direction (``rows × n`` each), ``P`` and the QR's
-  workspace (``rows × r``), ``Q`` and ``R`` (``n × r``), rcqr's sketch."""
-  sketch = sketch_rows(r) * rows
-  return 4 * (3 * rows * n + 3 * rows * r + 3 * n * r + sketch)
-
-
-def _in_waves(step, tall, q, budget: int):
-  """``step`` over the stack ``(tall, q)`` in parts of at most ``budget``
-  bytes (``wave_bytes``), one part after another (``lax.map``): a 70B
-  model's scanned stack in float32 at once is hundreds of GiB."""
-  count, rows, n = tall.shape
-  per_matrix = wave_bytes(rows, n, q.shape[-1])
-  part = max(1, min(count, budget // per_matrix))
-  if part >= count:
-    return step(tall, q)
-  return jax.lax.map(lambda x: step(*x), (tall, q), batch_size=part)
-
-
-def scale_by_dion(
-  *,
-  rank_fraction: types.Numeric = 1.0,
-  rank_multiple_of: int = 1,
-  ef_decay: types.Numeric = 0.95,
-  power_iters: int = 1,
-  qr_method: str = "qr",
-  epsilon: types.Numeric = 1e-8,
-  seed: int = 0,
-  mu_dtype: types.MomentumDtype = None,
-  precision: types.Precision = "highest",
-  memory_budget: int | None = None,
-  scale_mode: types.ScaleMode = "unit_rms_norm",
-  extra_scale_factor: types.Numeric | None = None,
-  match_adamw_update_rms: bool = False,
-  adamw_beta1: types.Numeric = 0.9,
-  dimension_numbers: types.PerLeaf = None,
-  split_qkv: types.PerLeaf = None,
-  split_gate_up: types.PerLeaf = None,
-  layout: Any = None,
-) -> optax.GradientTransformation:
-  r"""Dion's direction: see the module docstring for the update.
-
-  ``mu_dtype``, ``precision`` (of the power iteration's products; the QR is
-  float32), ``memory_budget`` (the bytes per device of a wave: a stack's
-  matrices run in parts whose float32 working set, ``wave_bytes``, fits
-  it), ``extra_scale_factor``, ``match_adamw_update_rms``,
-  ``dimension_numbers``, ``split_qkv``, ``split_gate_up`` and ``layout``
-  are ``scale_by_muon``'s; ``scale_mode`` defaults to microsoft/dion's
-  ``√(fan_out/fan_in)`` (``"unit_rms_norm"``). ``beta``, ``nesterov`` and
-  ``momentum_style`` do not apply: the momentum is a sum whose captured
-  part decays by ``ef_decay``; nor do ``coefficients``, ``steps``,
-  ``method`` and ``preconditioning``: there is no
-  Newton–Schulz iteration, only a QR of the ``rows × r`` product; nor does
-  ``sharding`` yet (see ``dion``).
-
-  Args:
-    rank_fraction: ``r`` as a share of the shorter side, in ``(0, 1]``.
-    rank_multiple_of: ``r`` rounded up to a multiple of this, ``≥ 1``.
-    ef_decay: the error-feedback decay of the captured part (microsoft/
-      dion's ``mu``), in ``[0, 1]``.
-    power_iters: power iterations per step, ``≥ 1``.
-    qr_method: how ``P`` is orthonormalized: ``"qr"`` (Householder, in
-      float32; any rank) or ``"rcqr"`` (microsoft/dion's randomized
-      Cholesky QR, its default: matrix products and ``r × r`` factors
-      only, so a sharded ``P`` is not gathered; a rank-deficient ``P``
-      loses the columns after its first dependent one, as in dion).
-    epsilon: the floor added to ``R``'s column norms.
-    seed: the seed of the first ``Q`` (the same on every device).
-
-  Returns:
-    An ``optax.GradientTransformation`` whose state is a ``DionState``.
-
-  References:
-    Ahn et al., `Dion: Distributed Orthonormalized Updates
-    <https://arxiv.org/abs/2504.05295>`_, 2025; microsoft/dion
-    ``dion/dion_reference.py``
-  """
+def _check_settings(
+  rank_fraction, rank_multiple_of, power_iters, seed, qr_method, sharding
+) -> None:
+  """Raises ``ValueError`` naming the first rank or sharding setting not
+  accepted."""
   if isinstance(rank_fraction, bool) or not isinstance(
     rank_fraction, (int, float)
   ):
@@ -250,6 +99,100 @@ def scale_by_dion(
   if isinstance(seed, bool) or not isinstance(seed, int):
     raise ValueError(f"seed={seed!r} is not accepted; accepted values: an int")
   _checks.check_choice("qr_method", qr_method, QR_METHODS)
+  sharding_lib.check_sharding(sharding)
+  if sharding is not None and sharding.mode != "distributed":
+    raise ValueError(
+      f"sharding.mode={sharding.mode!r} is not accepted for Dion; accepted "
+      "values: ['distributed'] (Dion's own scheme: each device keeps its "
+      "block, P and R are summed across blocks); for a gathered step pass "
+      "sharding=None"
+    )
+  if sharding is not None and sharding.distribute_over is not None:
+    raise ValueError(
+      f"sharding.distribute_over={sharding.distribute_over!r} is not "
+      "accepted for Dion; accepted values: [None] (no matrix is gathered, so "
+      "there is no stack to share out)"
+    )
+
+
+def _plans(sharding, tree, views):
+  """Per leaf of ``tree``, its ``dion_distributed.DistributedLeaf``
+  (``None``: its step runs on whole matrices)."""
+  if sharding is None:
+    return [None] * len(views)
+  return [
+    dion_distributed.plan(view, spec, sharding)
+    for (_, _, view), spec in zip(views, sharding.leaf_specs(tree))
+  ]
+
+
+def scale_by_dion(
+  *,
+  rank_fraction: types.Numeric = 1.0,
+  rank_multiple_of: int = 1,
+  ef_decay: types.Numeric = 0.95,
+  power_iters: int = 1,
+  qr_method: str = "qr",
+  epsilon: types.Numeric = 1e-8,
+  seed: int = 0,
+  mu_dtype: types.MomentumDtype = None,
+  precision: types.Precision = "highest",
+  memory_budget: int | None = None,
+  scale_mode: types.ScaleMode = "unit_rms_norm",
+  extra_scale_factor: types.Numeric | None = None,
+  match_adamw_update_rms: bool = False,
+  adamw_beta1: types.Numeric = 0.9,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  split_gate_up: types.PerLeaf = None,
+  layout: Any = None,
+  sharding: TensorParallel | None = None,
+) -> optax.GradientTransformation:
+  r"""Dion's direction: see the module docstring for the update.
+
+  ``mu_dtype``, ``precision`` (of the power iteration's products; the QR is
+  float32), ``memory_budget`` (the bytes per device of a wave: a stack's
+  matrices run in parts whose float32 working set, ``wave_bytes``, fits
+  it), ``extra_scale_factor``, ``match_adamw_update_rms``,
+  ``dimension_numbers``, ``split_qkv``, ``split_gate_up`` and ``layout``
+  are ``scale_by_muon``'s; ``scale_mode`` defaults to microsoft/dion's
+  ``√(fan_out/fan_in)`` (``"unit_rms_norm"``). ``beta``, ``nesterov`` and
+  ``momentum_style`` do not apply: the momentum is a sum whose captured
+  part decays by ``ef_decay``; nor do ``coefficients``, ``steps``,
+  ``method`` and ``preconditioning``: there is no
+  Newton–Schulz iteration, only a QR of the ``rows × r`` product.
+
+  Args:
+    rank_fraction: ``r`` as a share of the shorter side, in ``(0, 1]``.
+    rank_multiple_of: ``r`` rounded up to a multiple of this, ``≥ 1``.
+    ef_decay: the error-feedback decay of the captured part (microsoft/
+      dion's ``mu``), in ``[0, 1]``.
+    power_iters: power iterations per step, ``≥ 1``.
+    qr_method: how ``P`` is orthonormalized: ``"qr"`` (Householder, in
+      float32; any rank) or ``"rcqr"`` (microsoft/dion's randomized
+      Cholesky QR, its default: matrix products and ``r × r`` factors
+      only, so a sharded ``P`` is not gathered; a rank-deficient ``P``
+      loses the columns after its first dependent one, as in dion).
+    epsilon: the floor added to ``R``'s column norms.
+    seed: the seed of the first ``Q`` (the same on every device).
+    sharding: ``None`` (a matrix split across devices is gathered for its
+      step when its mesh axes are Explicit, partitioned by XLA when Auto),
+      or an ``optax_muon.TensorParallel`` with ``mode="distributed"``:
+      Dion's own scheme (``dion_distributed``), every mesh axis of
+      ``sharding.specs`` that splits a matrix kept split; ``axis`` singles
+      none out.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a ``DionState``.
+
+  References:
+    Ahn et al., `Dion: Distributed Orthonormalized Updates
+    <https://arxiv.org/abs/2504.05295>`_, 2025; microsoft/dion
+    ``dion/dion_reference.py``
+  """
+  _check_settings(
+    rank_fraction, rank_multiple_of, power_iters, seed, qr_method, sharding
+  )
   _checks.check_range("ef_decay", ef_decay, 0.0, 1.0 + 1e-12)
   _checks.check_range("epsilon", epsilon, 0.0, float("inf"))
   _checks.check_choice("precision", precision, matrices.PRECISIONS)
@@ -265,13 +208,16 @@ def scale_by_dion(
     dimension_numbers, split_qkv, split_gate_up
   )
 
+  plans = functools.partial(_plans, sharding)
+
   def init_fn(params):
     momentum = jax.tree.map(
       lambda p: jnp.zeros_like(p, dtype=mu_dtype or jnp.result_type(p)), params
     )
     key = jax.random.key(seed)
+    views = resolve_views(params)
     qs, count = [], 0
-    for _, leaf, view in resolve_views(params):
+    for (_, leaf, view), plan in zip(views, plans(params, views)):
       pieces = []
       batch = math.prod(view.batch_shape)
       dtype = mu_dtype or jnp.result_type(leaf)
@@ -279,67 +225,87 @@ def scale_by_dion(
         r = dion_rank(rank_fraction, rank_multiple_of, (fan_in, fan_out))
         shape = (batch, min(fan_in, fan_out), r)
         q = jax.random.normal(jax.random.fold_in(key, count), shape)
-        pieces.append(q.astype(dtype))
+        q = q.astype(dtype)
+        pieces.append(q if plan is None else plan.placed(q))
         count += 1
       qs.append(tuple(pieces))
     return DionState(momentum, jax.tree.unflatten(pieces_structure(params), qs))
 
-  def update_fn(updates, state, params=None):
-    del params
-    sketch_key = (
-      jax.random.fold_in(jax.random.key(seed), 2**31 - 1)
-      if qr_method == "rcqr"
-      else None
+  def rank_step(tall, q, shards=dion_power.WHOLE):
+    return dion_power.dion_step(
+      tall,
+      q,
+      ef_decay=ef_decay,
+      power_iters=power_iters,
+      epsilon=epsilon,
+      precision=precision,
+      sketch_key=(
+        jax.random.fold_in(jax.random.key(seed), 2**31 - 1)
+        if qr_method == "rcqr"
+        else None
+      ),
+      shards=shards,
     )
-    treedef = jax.tree.structure(updates)
-    shardings = [
-      explicit_sharding(m) for m in treedef.flatten_up_to(state.momentum)
-    ]
-    sums = jax.tree.map(
-      lambda m, g: replicated(m + g.astype(m.dtype)), state.momentum, updates
-    )
-    directions, momenta, qs = [], [], []
-    for (_, b, view), leaf_qs, sharding in zip(
-      resolve_views(sums),
-      pieces_structure(updates).flatten_up_to(state.q),
-      shardings,
-    ):
-      pieces, kept, new_qs = [], [], []
+
+  def whole_step(b, view, leaf_qs):
+    """A leaf's step on its whole matrices: ``(direction, momentum, qs)``."""
+    pieces, kept, new_qs = [], [], []
+    for i, piece in enumerate(view.to_matrices(b)):
+      turned = dion_power.is_turned(*piece.shape[-2:])
+      stack = dion_power.tall(piece, turned)
       # by position: flax's nnx.Optimizer hands a tuple back as a mapping
       # from positions
-      for i, piece in enumerate(view.to_matrices(b)):
-        tall, turned = _tall(piece)
-        q_dtype = leaf_qs[i].dtype
+      q_dtype = leaf_qs[i].dtype
 
-        def step(tall, q, dtype=piece.dtype, q_dtype=q_dtype):
-          direction, momentum, q = dion_step(
-            tall,
-            q.astype(jnp.float32),
-            ef_decay=ef_decay,
-            power_iters=power_iters,
-            epsilon=epsilon,
-            precision=precision,
-            sketch_key=sketch_key,
-          )
-          return (
-            direction.astype(dtype),
-            momentum.astype(dtype),
-            q.astype(q_dtype),
-          )
+      def run(stack, q, dtype=piece.dtype, q_dtype=q_dtype):
+        direction, momentum, q = rank_step(stack, q.astype(jnp.float32))
+        return (
+          direction.astype(dtype),
+          momentum.astype(dtype),
+          q.astype(q_dtype),
+        )
 
-        direction, momentum, q = _in_waves(step, tall, leaf_qs[i], budget)
-        pieces.append(_untall(direction, turned))
-        kept.append(_untall(momentum, turned))
-        new_qs.append(q)
-      directions.append(resharded(view.from_matrices(pieces), sharding))
-      momenta.append(resharded(view.from_matrices(kept), sharding))
+      rows, n = stack.shape[-2:]
+      per_matrix = dion_power.wave_bytes(rows, n, leaf_qs[i].shape[-1])
+      direction, momentum, q = dion_power.in_waves(
+        run, stack, leaf_qs[i], budget, per_matrix
+      )
+      pieces.append(dion_power.untall(direction, turned))
+      kept.append(dion_power.untall(momentum, turned))
+      new_qs.append(q)
+    return view.from_matrices(pieces), view.from_matrices(kept), new_qs
+
+  def update_fn(updates, state, params=None):
+    del params
+    treedef = jax.tree.structure(updates)
+    pieces = pieces_structure(updates)
+    views = resolve_views(updates)
+    directions, momenta, qs = [], [], []
+    for (_, g, view), m, leaf_qs, plan in zip(
+      views,
+      treedef.flatten_up_to(state.momentum),
+      pieces.flatten_up_to(state.q),
+      plans(updates, views),
+    ):
+      if plan is not None:
+        direction, momentum, q = dion_distributed.step(
+          plan, m, g, leaf_qs[0], rank_step=rank_step, budget=budget
+        )
+        new_qs = [q]
+      else:
+        where = explicit_sharding(m)
+        b = replicated(m + g.astype(m.dtype))
+        direction, momentum, new_qs = whole_step(b, view, leaf_qs)
+        direction = resharded(direction, where)
+        momentum = resharded(momentum, where)
+      directions.append(direction)
+      momenta.append(momentum)
       qs.append(tuple(new_qs))
     direction = jax.tree.unflatten(treedef, directions)
     direction, _ = shape.update(direction, shape.init(direction))
     direction = jax.tree.map(lambda d: d * extra, direction)
     return direction, DionState(
-      jax.tree.unflatten(treedef, momenta),
-      jax.tree.unflatten(pieces_structure(updates), qs),
+      jax.tree.unflatten(treedef, momenta), jax.tree.unflatten(pieces, qs)
     )
 
   shape = scaling.scale_by_shape(
@@ -372,6 +338,7 @@ def dion(
   weight_decay_mask: types.PerLeaf = None,
   labels: types.PerLeaf = None,
   state_memory_kind: types.MemoryKind | None = None,
+  sharding: TensorParallel | None = None,
   **scalar_kwargs,
 ) -> optax.GradientTransformation:
   r"""Dion for the matrices, AdamW for the rest: ``om.muon``'s routing with
@@ -381,10 +348,13 @@ def dion(
   ``beta``, ``nesterov`` and ``momentum_style`` do not apply (the momentum
   is a sum; ``ef_decay`` decays what the low-rank step captured); nor do
   ``coefficients``, ``steps``, ``method`` and ``preconditioning`` (no
-  Newton–Schulz: a QR); nor ``sharding`` yet: sharded
-  params are partitioned by XLA under ``jax.jit`` (a row-sharded ``B``
-  gives a row-sharded ``B Q`` and an all-reduced ``Bᵀ P``: Dion's own
-  traffic), and explicitly sharded ones are gathered for the step.
+  Newton–Schulz: a QR). Without ``sharding``, params sharded over Auto
+  mesh axes are partitioned by XLA under ``jax.jit`` and explicitly
+  sharded ones are gathered for the step; with
+  ``sharding=om.TensorParallel(mesh, mode="distributed", specs=...)`` each
+  device keeps its block of every matrix and only ``B Q`` and ``Bᵀ P``
+  (``rows × r``, ``n × r``) are all-reduced: microsoft/dion's FSDP × TP
+  scheme, ``Q`` split as each matrix's shorter side.
   ``rank_fraction`` defaults to microsoft/dion's 1 (the paper's large runs
   use ¼ or less); ``weight_decay`` is the family's 0 (microsoft/dion's is
   0.01).
@@ -399,6 +369,8 @@ def dion(
       Cholesky QR, for sharded matrices; see ``scale_by_dion``).
     epsilon: the floor of ``R``'s column norms.
     seed: the seed of the first ``Q``.
+    sharding: ``None`` or an ``om.TensorParallel`` with
+      ``mode="distributed"`` (see ``scale_by_dion``).
     **scalar_kwargs: ``om.muon``'s ``scalar_optimizer`` and ``adam_*``
       arguments, for the leaves that are not matrices.
 
