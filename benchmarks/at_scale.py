@@ -336,13 +336,20 @@ def optimizers(
         **extra,
       )
       continue
-    if mode == "dion":  # XLA partitions its products; rcqr's QR is small
+    if mode in ("dion", "dion_distributed"):
+      # dion: XLA partitions its products (rcqr's QR is small);
+      # dion_distributed: its own scheme, each chip keeping its blocks
       out[mode] = om.dion(
         0.02,
         rank_fraction=DION_RANK_FRACTION,
         qr_method="rcqr",
         labels=labels,
         dimension_numbers=dims,
+        sharding=(
+          om.TensorParallel(mesh, mode="distributed", specs=specs)
+          if mode == "dion_distributed"
+          else None
+        ),
         **extra,
       )
       continue
@@ -488,8 +495,11 @@ MODES = (
   "dion2",
   "dion2_global",
   "dion",
+  "dion_distributed",
   "optax.contrib.muon",
 )
+# the members whose momentum is a float sum (no 8-bit momentum)
+FLOAT_SUM_MODES = ("dion2", "dion2_global", "dion", "dion_distributed")
 MUON_BP_PERIOD = 5
 # Dion at a quarter of each matrix's rank: the share Dion2 orthogonalizes
 DION_RANK_FRACTION = 0.25
@@ -802,7 +812,7 @@ def main(argv=None):
   if args.momentum != "param" or args.offload:  # options of om.muon only
     modes = [m for m in modes if m != "optax.contrib.muon"]
   if args.momentum == "8bit":  # Dion2's and Dion's momenta: float sums
-    modes = [m for m in modes if m not in ("dion2", "dion2_global", "dion")]
+    modes = [m for m in modes if m not in FLOAT_SUM_MODES]
   built = optimizers(
     flat,
     mesh,

@@ -251,6 +251,7 @@ def test_at_scale_compiles_every_mode_on_abstract_shapes():
     "dion2",
     "dion2_global",
     "dion",
+    "dion_distributed",
     "optax.contrib.muon",
   }
   for record in records.values():

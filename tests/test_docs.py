@@ -459,6 +459,13 @@ def test_the_dion_paragraph_is_the_recorded_compile():
     if r["mode"] == "dion"
   ]
   assert f"{qr['collective_total_gib']:,.0f} GiB a step" in page
+  own = runs["dion_distributed"]
+  assert set(own["collective_gib"]) == {"all-reduce"}
+  assert (
+    f"sends **{own['collective_total_gib']:.1f} GiB** a step, all of it "
+    f"all-reduce, temp {own['temp_gib']:.1f} GiB"
+  ) in page
+  assert own["collective_total_gib"] <= 1.01 * total
 
 
 def _scaling_row(page: str, label: str) -> list[str]:

@@ -21,6 +21,13 @@ def working_dtype(dtype) -> jnp.dtype:
   return jnp.dtype(jnp.float32)
 
 
+def product_dtype(precision: str) -> jnp.dtype:
+  """The dtype ``matmul`` rounds its product to: bfloat16 at ``"medium"``,
+  float16 at ``"fp16"``, else float32 (not rounded)."""
+  rounded = precision in _ROUNDED and precision != "bf16"
+  return jnp.dtype(_ROUNDED[precision] if rounded else jnp.float32)
+
+
 def iterate_dtype(precision: str, dtype) -> jnp.dtype:
   """The dtype the iterate ``X`` is kept in between steps: bfloat16 at
   ``"bf16"``, else ``dtype`` (the working dtype)."""

@@ -131,6 +131,16 @@ def _sketched_cholesky(p: jax.Array, key: jax.Array, shards: Shards):
   return _times_inverse(p, jnp.swapaxes(lower, -1, -2), lower=False)
 
 
+def _summed_product(a, b, precision, summed):
+  """``a @ b`` (``matrices.matmul``) totalled across blocks by ``summed``;
+  the partial products travel in the dtype the product is rounded to
+  (bfloat16 at ``"medium"``: half the bytes, the unsharded product's
+  rounding)."""
+  product = matrices.matmul(a, b, precision)
+  low = matrices.product_dtype(precision)
+  return summed(product.astype(low)).astype(jnp.float32)
+
+
 def dion_step(
   b,
   q,
@@ -154,13 +164,13 @@ def dion_step(
   transposed = jnp.swapaxes(b, -1, -2)
   r = q
   for _ in range(power_iters):
-    p = shards.over_columns(matrices.matmul(b, r, precision))
+    p = _summed_product(b, r, precision, shards.over_columns)
     p = (
       _householder(p, shards)
       if sketch_key is None
       else _sketched_cholesky(p, sketch_key, shards)
     )
-    r = shards.over_rows(matrices.matmul(transposed, p, precision))
+    r = _summed_product(transposed, p, precision, shards.over_rows)
   size = shards.over_rows(
     shards.over_columns(jnp.sum(jnp.abs(b), axis=(-2, -1), keepdims=True))
   )
