@@ -81,6 +81,16 @@ class DistributedLeaf:
   def placed(self, q: jax.Array) -> jax.Array:
     return jax.device_put(q, NamedSharding(self.mesh, self.q_spec))
 
+  def placed_as(self, *pairs) -> list[jax.Array]:
+    """Each ``(array, spec)``'s array split as its spec: on Explicit axes
+    ``shard_map`` takes only arrays typed so (a state restored or built
+    without shardings is replicated); on Auto axes it places them itself."""
+    explicit = jax.sharding.AxisType.Explicit in self.mesh.axis_types
+    return [
+      jax.sharding.reshard(x, NamedSharding(self.mesh, spec)) if explicit else x
+      for x, spec in pairs
+    ]
+
 
 def plan(
   view: layout_lib.MatrixView, spec, tp: TensorParallel
@@ -137,4 +147,4 @@ def step(
     in_specs=(spec, spec, leaf.q_spec),
     out_specs=(spec, spec, leaf.q_spec),
     check_vma=False,
-  )(momentum, gradient, q)
+  )(*leaf.placed_as((momentum, spec), (gradient, spec), (q, leaf.q_spec)))
