@@ -7,6 +7,8 @@ from optax.contrib import MuonDimensionNumbers
 from optax_muon import compat
 from optax_muon._src.config.describe import describe
 from optax_muon._src.config.muon_config import MuonConfig
+from optax_muon._src.config.overrides import parse_fields
+from optax_muon._src.config.overrides import split_overrides
 from optax_muon._src.inference.infer import Layout
 from optax_muon._src.inference.infer import infer_layout
 from optax_muon._src.kernels.coefficients import COEFFICIENT_SETS
@@ -97,6 +99,7 @@ __all__ = (
   "nordion2",
   "orthogonality_error",
   "orthogonalize",
+  "parse_fields",
   "polargrad",
   "qk_clip",
   "scale_by_adaptive_muon",
@@ -112,6 +115,7 @@ __all__ = (
   "spectral_clip",
   "spectral_clipped_weight_decay",
   "spectral_hardcap",
+  "split_overrides",
   "update_rms",
   "zero1_sharding",
 )

@@ -17,6 +17,8 @@ DOCUMENTED = [
   om.muon_bp,
   compat.torch_muon,
   om.infer_layout,
+  om.parse_fields,
+  om.dion,
 ]
 
 

@@ -7,9 +7,8 @@ An override line has three sections: ``model.*`` (``GPTConfig``), ``train.*``
 """
 
 import dataclasses
-import types
-import typing
 
+import optax_muon as om
 from examples.flax_lm.model import GPTConfig
 from optax_muon import MuonConfig
 
@@ -138,75 +137,13 @@ class RunConfig:
     return self.train.out_dir or f"runs/{self.name}"
 
 
-def _key_values(overrides) -> dict[str, str]:
-  """``["a.b=1", ...]`` as ``{"a.b": "1", ...}``."""
-  if isinstance(overrides, str):
-    raise TypeError(f"overrides must be a list of key=value, got {overrides!r}")
-  pairs = [item.partition("=") for item in overrides]
-  for item, (key, sep, _) in zip(overrides, pairs):
-    if not sep or not key.strip():
-      raise ValueError(f"override {item!r} is not of the form key=value")
-  return {key.strip(): value.strip() for key, _, value in pairs}
-
-
-def _by_field(values: dict) -> dict:
-  """``{"actor.optim.lr": v}`` as ``{"lr": v}``; one field under two paths
-  raises (MuonConfig types and checks the values)."""
-  fields: dict = {}
-  paths: dict = {}
-  for path, value in values.items():
-    name = path.rsplit(".", 1)[-1]
-    if paths.get(name, path) != path:
-      raise ValueError(
-        f"field {name!r} is set twice, as {paths[name]!r} and {path!r}; "
-        "set it once"
-      )
-    fields[name], paths[name] = value, path
-  return fields
-
-
-def _parse(name: str, text: str, hint):
-  """An override's text as the field's type (int, float, bool, str, a
-  tuple of them, or one of them or None)."""
-  if typing.get_origin(hint) in (typing.Union, types.UnionType):
-    if text.lower() in ("none", "null"):
-      return None
-    (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
-  if typing.get_origin(hint) is tuple:  # "[1,2]" or "1,2"
-    items = [t.strip() for t in text.strip("[]() ").split(",") if t.strip()]
-    kinds = typing.get_args(hint)
-    if len(kinds) == 2 and kinds[1] is Ellipsis:
-      kinds = (kinds[0],) * len(items)
-    if len(kinds) != len(items):
-      raise ValueError(f"{name}={text!r} needs {len(kinds)} values")
-    return tuple(_parse(name, t, k) for t, k in zip(items, kinds))
-  if hint is bool:
-    if text.lower() not in ("true", "false"):
-      raise ValueError(f"{name}={text!r} is not a bool; accepted: true/false")
-    return text.lower() == "true"
-  if hint in (int, float):
-    try:
-      return hint(text)
-    except ValueError:
-      raise ValueError(f"{name}={text!r} is not {hint.__name__}") from None
-  return text
-
-
 def _section(name: str, cls, fields: dict):
-  """``cls`` built from ``fields`` (override texts parsed by type)."""
-  hints = typing.get_type_hints(cls)
-  for field in fields:
-    if field not in hints:
-      raise ValueError(
-        f"unknown field {name}.{field}; accepted fields: {list(hints)}"
-      )
+  """``cls`` built from ``fields`` (override texts parsed by the library's
+  one parser, their messages naming ``name.field``)."""
   return cls(
-    **{
-      field: _parse(f"{name}.{field}", value, hints[field])
-      if isinstance(value, str)
-      else value
-      for field, value in fields.items()
-    }
+    **om.parse_fields(
+      cls, {f"{name}.{field}": value for field, value in fields.items()}
+    )
   )
 
 
@@ -226,7 +163,7 @@ def parse_sections(
   ``optim_defaults``, the preset's ``optim``, and for ``optimizer=muon`` or
   ``adaptive_muon`` ``muon_defaults``.
   """
-  values = _key_values(overrides)
+  values = om.split_overrides(overrides)
   preset = values.pop("preset", next(iter(presets)))
   if preset not in presets:
     raise ValueError(
@@ -250,7 +187,7 @@ def parse_sections(
     else:
       optim[key] = value
   # a field given under two verl prefixes raises
-  optim = _by_field(optim)
+  optim = om.parse_fields(MuonConfig, optim)
   defaults = dict(optim_defaults, **presets[preset].get("optim", {}))
   optimizer = optim.get("optimizer", defaults.get("optimizer"))
   if optimizer in MUON_OPTIMIZERS:
