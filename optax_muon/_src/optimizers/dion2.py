@@ -24,28 +24,24 @@ sharded. With an ``om.TensorParallel`` and ``"local"`` (dion's default)
 each shard of a split matrix selects its own slices (``dion2_local``).
 """
 
-import dataclasses
-import functools
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
 from optax_muon._src.base.trees import pieces_structure
 from optax_muon._src.kernels import shape_scale
-from optax_muon._src.optimizers import dion2_local
 from optax_muon._src.optimizers import dion2_selection as selection
+from optax_muon._src.optimizers import dion2_step
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel.tensor_parallel import EXACT_MODES
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
-from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.transforms.scaling import resolve_extra_scale_factor
 from optax_muon._src.views import layout as layout_lib
@@ -154,18 +150,15 @@ def scale_by_dion2(
     extra_scale_factor, match_adamw_update_rms, adamw_beta1
   )
   arguments = dict(locals(), layout=None)
-  # the selected submatrices are whole matrices of their own (replicated:
-  # the global scope's gathered matrices): a stack
-  # (matrices, fan_in or k, k or fan_out) each, its leading axis a batch
-  orthogonalize = orthogonalize_lib.orthogonalize(
-    **settings.forward(
-      orthogonalize_lib.orthogonalize,
-      arguments,
-      dimension_numbers="leading",
-      split_qkv=None,
-      split_gate_up=None,
-      sharding=None,
-    )
+  step = dion2_step.Dion2Step(
+    fraction=fraction,
+    ef_decay=ef_decay,
+    normalize_neurons=normalize_neurons,
+    beta2=beta2,
+    scale_mode=scale_mode,
+    extra=extra,
+    sharding=None if selection_scope == "global" else sharding,
+    arguments=arguments,
   )
   resolve_views = layout_lib.view_resolver(
     dimension_numbers, split_qkv, split_gate_up
@@ -176,12 +169,12 @@ def scale_by_dion2(
       lambda p: jnp.zeros_like(p, dtype=mu_dtype or jnp.result_type(p)), params
     )
     views = resolve_views(params)
-    plans = local_plans(params, views)  # a leaf it cannot select raises
+    plans = step.plans(params, views)  # a leaf it cannot select raises
     if not normalize_neurons:
       return Dion2State(momentum, None)
     variance = [
       tuple(
-        placed(jnp.zeros_like(piece[:, :1, :], jnp.float32), plan)
+        step.placed(jnp.zeros_like(piece[:, :1, :], jnp.float32), plan)
         for piece in view.to_matrices(selection.replicated(leaf))
       )
       for (_, leaf, view), plan in zip(views, plans)
@@ -190,153 +183,30 @@ def scale_by_dion2(
       momentum, jax.tree.unflatten(pieces_structure(params), variance)
     )
 
-  def global_step(views, variances, specs):
-    """Whole-matrix selection of every leaf (``views``: ``(momentum
-    replicated, its view)``): ``(directions, new momenta, new variances)``,
-    resharded as ``specs``."""
-    selections, submatrices = [], []
-    for m, view in views:
-      for piece in view.to_matrices(m):
-        axis = selection.selection_axis(
-          piece.shape[-2], piece.shape[-1], normalize_neurons
-        )
-        count = selection.selected_count(fraction, piece.shape[axis])
-        index, sub = selection.select(piece, count, axis)
-        selections.append((piece, index, axis))
-        submatrices.append(sub)
-    orthogonal, _ = orthogonalize.update(submatrices, optax.EmptyState())
-    results = iter(zip(selections, orthogonal))
-    directions, new_momenta, new_variances = [], [], []
-    for (m, view), leaf_variance, spec in zip(views, variances, specs):
-      pieces, decayed, moments = [], [], []
-      for i, _ in enumerate(view.matrix_shapes):
-        (piece, index, axis), o = next(results)
-        if normalize_neurons:
-          o, v = selection.normalize_neurons(o, leaf_variance[i], index, beta2)
-          moments.append(v)
-        o = scaled(o.astype(piece.dtype), *piece.shape[-2:])
-        pieces.append(selection.scatter(piece.shape, index, o, axis))
-        chosen = selection.selected_mask(piece.shape[axis], index, axis)
-        decay = jnp.asarray(ef_decay, piece.dtype)
-        decayed.append(jnp.where(chosen, decay * piece, piece))
-      directions.append(selection.resharded(view.from_matrices(pieces), spec))
-      new_momenta.append(selection.resharded(view.from_matrices(decayed), spec))
-      new_variances.append(tuple(moments))
-    return directions, new_momenta, new_variances
-
-  def local_plans(tree, views):
-    """Per leaf of ``tree`` (params or updates), its
-    ``dion2_local.LocalLeaf`` (``None``: selected whole)."""
-    if sharding is None or selection_scope == "global":
-      return [None] * len(views)
-    return [
-      dion2_local.plan(view, spec, sharding, fraction, normalize_neurons)
-      for (_, _, view), spec in zip(views, sharding.leaf_specs(tree))
-    ]
-
-  def placed(variance, plan):
-    """NorDion2's variance of a locally selected leaf, split as its
-    selected neurons from the start (the state keeps one sharding)."""
-    if plan is None:
-      return variance
-    return jax.device_put(
-      variance, NamedSharding(sharding.mesh, plan.variance_spec)
-    )
-
-  def scaled(o, fan_in, fan_out):
-    """``o`` times the whole matrix's shape factor and ``extra`` (on the
-    selected slices, before they are put back)."""
-    factor = shape_scale.scale_factor(fan_out, fan_in, scale_mode)
-    return o * jnp.asarray(factor, o.dtype) * extra
-
-  def local_step(plans, momenta, gradients, views, variances):
-    """Each shard's own selection (``dion2_local``): ``(directions, new
-    momenta, new variances)``, sharded as the momenta."""
-    selections = [
-      dion2_local.select(plan, m, g, ef_decay, sharding.mesh)
-      for plan, m, g in zip(plans, momenta, gradients)
-    ]
-    orthogonal, _ = orthogonalize_lib.orthogonalize(
-      **settings.forward(
-        orthogonalize_lib.orthogonalize,
-        arguments,
-        dimension_numbers=[plan.dimension_numbers() for plan in plans],
-        split_qkv=None,
-        split_gate_up=None,
-        sharding=dataclasses.replace(
-          sharding, specs=[plan.partition_spec for plan in plans]
-        ),
-      )
-    ).update([selected for selected, _, _ in selections], optax.EmptyState())
-    directions, new_variances = [], []
-    for plan, o, (_, _, index), m, view, variance in zip(
-      plans, orthogonal, selections, momenta, views, variances
-    ):
-      scale = functools.partial(
-        scaled, fan_in=view.fan_in, fan_out=view.fan_out
-      )
-      if normalize_neurons:
-        (v,) = variance  # one matrix piece: local leaves have no splits
-        d, v = dion2_local.scatter(
-          plan, o, index, m, sharding.mesh, scale, v, beta2
-        )
-        new_variances.append((v,))
-      else:
-        d = dion2_local.scatter(plan, o, index, m, sharding.mesh, scale)
-        new_variances.append(())
-      directions.append(d)
-    return (
-      directions,
-      [decayed for _, decayed, _ in selections],
-      new_variances,
-    )
-
   def update_fn(updates, state, params=None):
     del params
     treedef = jax.tree.structure(updates)
+    pieces = pieces_structure(updates)
     gradients = treedef.flatten_up_to(updates)
-    old_momenta = treedef.flatten_up_to(state.momentum)
-    views = resolve_views(updates)
-    plans = local_plans(updates, views)
+    resolved = resolve_views(updates)
+    views = [view for _, _, view in resolved]
     variances = (
-      pieces_structure(updates).flatten_up_to(state.variance)
+      pieces.flatten_up_to(state.variance)
       if normalize_neurons
       else [None] * len(gradients)
     )
-    whole = [i for i, plan in enumerate(plans) if plan is None]
-    split = [i for i, plan in enumerate(plans) if plan is not None]
-    directions = [None] * len(gradients)
-    new_momenta = [None] * len(gradients)
-    new_variances = [()] * len(gradients)
-    if whole:
-      momenta = {
-        i: old_momenta[i] + gradients[i].astype(old_momenta[i].dtype)
-        for i in whole
-      }
-      outputs = global_step(
-        [(selection.replicated(momenta[i]), views[i][2]) for i in whole],
-        [variances[i] for i in whole],
-        [selection.explicit_sharding(momenta[i]) for i in whole],
-      )
-      for i, d, m, v in zip(whole, *outputs):
-        directions[i], new_momenta[i], new_variances[i] = d, m, v
-    if split:
-      outputs = local_step(
-        [plans[i] for i in split],
-        [old_momenta[i] for i in split],
-        [gradients[i] for i in split],
-        [views[i][2] for i in split],
-        [variances[i] for i in split],
-      )
-      for i, d, m, v in zip(split, *outputs):
-        directions[i], new_momenta[i], new_variances[i] = d, m, v
+    directions, momenta, new_variances = step(
+      step.plans(updates, resolved),
+      treedef.flatten_up_to(state.momentum),
+      gradients,
+      views,
+      variances,
+    )
     variance = (
-      jax.tree.unflatten(pieces_structure(updates), new_variances)
-      if normalize_neurons
-      else None
+      jax.tree.unflatten(pieces, new_variances) if normalize_neurons else None
     )
     return jax.tree.unflatten(treedef, directions), Dion2State(
-      jax.tree.unflatten(treedef, new_momenta), variance
+      jax.tree.unflatten(treedef, momenta), variance
     )
 
   return optax.GradientTransformation(init_fn, update_fn)
