@@ -186,6 +186,13 @@ class MuonConfig:
   dion2_selection_scope: str = "local"
 
   def __post_init__(self):
+    self._coerce_fields()
+    self._check_values()
+    self._check_family()
+    self._check_momentum_and_clip()
+
+  def _coerce_fields(self) -> None:
+    """Each field as its type (a value of another type raises)."""
     hints = typing.get_type_hints(type(self))
     for field in dataclasses.fields(self):
       object.__setattr__(
@@ -198,6 +205,9 @@ class MuonConfig:
           parse_strings=False,
         ),
       )
+
+  def _check_values(self) -> None:
+    """Raises naming the first choice or range not accepted."""
     choices = {
       "optimizer": OPTIMIZERS,
       "muon_scale_mode": shape_scale.SCALE_MODES,
@@ -235,6 +245,9 @@ class MuonConfig:
     )
     _checks.check_int("muon_num_ns_steps", self.muon_num_ns_steps, minimum=1)
     _checks.check_int("muon_bp_period", self.muon_bp_period, minimum=1)
+
+  def _check_family(self) -> None:
+    """Raises naming the first Dion-family setting not accepted."""
     if not 0 < self.dion2_fraction <= 1:
       raise ValueError(
         f"dion2_fraction={self.dion2_fraction!r} is not accepted; accepted "
@@ -291,6 +304,10 @@ class MuonConfig:
         f"optimizer={self.optimizer!r} (its momentum is a sum kept in the "
         "param's dtype); accepted: None"
       )
+
+  def _check_momentum_and_clip(self) -> None:
+    """Raises naming the first budget, 8-bit momentum, QK-clip or scale
+    setting not accepted."""
     waves.check_memory_budget(self.muon_memory_budget, "muon_memory_budget")
     if self.muon_momentum_bits not in (None, 8):
       raise ValueError(
@@ -497,40 +514,7 @@ class MuonConfig:
         ),
         *clip_logits,
       )
-    sharding = None
-    if mesh is not None and (
-      self.optimizer not in WITHOUT_TP_MODE or self._family_sharded
-    ):
-      axes = list(mesh.axis_names)
-      if tp_axis not in axes:
-        raise ValueError(
-          f"tp_axis={tp_axis!r} is not an axis of the mesh; "
-          f"accepted values: {axes}"
-        )
-      distribute = None
-      if self.use_layer_wise_distributed_optimizer:
-        if "data" not in axes:
-          raise ValueError(
-            "use_layer_wise_distributed_optimizer=True needs a "
-            f"mesh axis named 'data'; the mesh has {axes}"
-          )
-        distribute = "data"
-      mode = self.tp_mode
-      if self.optimizer == "muon_bp" and self.muon_tp_mode is None:
-        mode = "auto"  # its block steps are blockwise; full steps exact
-      sharding = sharding_lib.TensorParallel(
-        mesh, tp_axis, mode, specs=specs, distribute_over=distribute
-      )
-    elif self.use_layer_wise_distributed_optimizer:
-      raise ValueError(
-        "use_layer_wise_distributed_optimizer=True needs a mesh "
-        "with a 'data' axis: pass build(..., mesh=mesh)"
-      )
-    elif self.muon_tp_mode is not None:
-      raise ValueError(
-        f"muon_tp_mode={self.muon_tp_mode!r} is set but build() got no "
-        "mesh; pass build(..., mesh=mesh) or leave muon_tp_mode unset"
-      )
+    sharding = self._sharding(mesh, specs, tp_axis)
     adam_lr = None
     if self.adam_lr is not None:
       ratio = self.adam_lr / self.lr
@@ -541,24 +525,7 @@ class MuonConfig:
     check_split = self.muon_split_qkv and split is None
     if check_split and params is not None:
       _check_no_fused_qkv(params)
-    optimizer: Callable[..., optax.GradientTransformation]
-    if self.optimizer == "adaptive_muon":
-      optimizer = functools.partial(
-        adaptive.adaptive_muon,
-        moment2_method=self.adaptive_muon_moment2_method,
-        beta2=self.adaptive_muon_beta2,
-        moment2_eps=self.adaptive_muon_eps,
-      )
-    elif self.optimizer == "muon_bp":
-      optimizer = functools.partial(
-        muon_bp_lib.muon_bp, period=self.muon_bp_period
-      )
-    elif self.optimizer == "dion":
-      optimizer = self._dion
-    elif self.optimizer in WITHOUT_TP_MODE:
-      optimizer = self._dion2_family
-    else:
-      optimizer = alias.muon
+    optimizer = self._member()
     tx = optax.chain(
       *clip,
       optimizer(
@@ -610,6 +577,62 @@ class MuonConfig:
       return tx.init(params)
 
     return optax.GradientTransformationExtraArgs(init_fn, tx.update)
+
+  def _sharding(self, mesh, specs, tp_axis):
+    """The ``TensorParallel`` ``build``'s mesh and ``muon_tp_mode`` ask
+    for, or ``None``."""
+    if mesh is not None and (
+      self.optimizer not in WITHOUT_TP_MODE or self._family_sharded
+    ):
+      axes = list(mesh.axis_names)
+      if tp_axis not in axes:
+        raise ValueError(
+          f"tp_axis={tp_axis!r} is not an axis of the mesh; "
+          f"accepted values: {axes}"
+        )
+      distribute = None
+      if self.use_layer_wise_distributed_optimizer:
+        if "data" not in axes:
+          raise ValueError(
+            "use_layer_wise_distributed_optimizer=True needs a "
+            f"mesh axis named 'data'; the mesh has {axes}"
+          )
+        distribute = "data"
+      mode = self.tp_mode
+      if self.optimizer == "muon_bp" and self.muon_tp_mode is None:
+        mode = "auto"  # its block steps are blockwise; full steps exact
+      return sharding_lib.TensorParallel(
+        mesh, tp_axis, mode, specs=specs, distribute_over=distribute
+      )
+    if self.use_layer_wise_distributed_optimizer:
+      raise ValueError(
+        "use_layer_wise_distributed_optimizer=True needs a mesh "
+        "with a 'data' axis: pass build(..., mesh=mesh)"
+      )
+    if self.muon_tp_mode is not None:
+      raise ValueError(
+        f"muon_tp_mode={self.muon_tp_mode!r} is set but build() got no "
+        "mesh; pass build(..., mesh=mesh) or leave muon_tp_mode unset"
+      )
+    return None
+
+  def _member(self) -> Callable[..., optax.GradientTransformation]:
+    """The family member ``optimizer`` names, taking ``om.muon``'s
+    keywords."""
+    if self.optimizer == "adaptive_muon":
+      return functools.partial(
+        adaptive.adaptive_muon,
+        moment2_method=self.adaptive_muon_moment2_method,
+        beta2=self.adaptive_muon_beta2,
+        moment2_eps=self.adaptive_muon_eps,
+      )
+    if self.optimizer == "muon_bp":
+      return functools.partial(muon_bp_lib.muon_bp, period=self.muon_bp_period)
+    if self.optimizer == "dion":
+      return self._dion
+    if self.optimizer in WITHOUT_TP_MODE:
+      return self._dion2_family
+    return alias.muon
 
   def _dion2_family(
     self, learning_rate, *, beta, nesterov, momentum_style, sharding, **kwargs

@@ -6,13 +6,13 @@ the global scope, and every leaf no shard splits) or, under a
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
+from optax_muon._src.base import types
 from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import dion2_local
 from optax_muon._src.optimizers import dion2_selection as selection
@@ -28,12 +28,12 @@ class Dion2Step:
   or, split under ``sharding`` (the local scope; ``None`` for the global
   one), by each shard (``local_step``)."""
 
-  fraction: float
-  ef_decay: Any
+  fraction: types.Numeric
+  ef_decay: types.Numeric
   normalize_neurons: bool
-  beta2: Any
+  beta2: types.Numeric
   scale_mode: str
-  extra: Any
+  extra: types.Numeric
   sharding: TensorParallel | None
   arguments: dict  # scale_by_dion2's, for the orthogonalization
   # the whole-matrix selections' orthogonalization, built (and its settings

@@ -106,6 +106,21 @@ def _quantized_task(g, stored, config, step, finish) -> waves.Task:
   )
 
 
+def _check_settings(beta, nesterov, style, bias_correction) -> None:
+  """Raises naming the first momentum setting not accepted."""
+  _checks.check_range("beta", beta, 0.0, 1.0)
+  _checks.check_choice("style", style, MOMENTUM_STYLES)
+  if not isinstance(nesterov, bool):
+    raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
+  if not isinstance(bias_correction, bool):
+    raise TypeError(f"bias_correction must be a bool, got {bias_correction!r}")
+  if bias_correction and style != "ema":
+    raise ValueError(
+      f"bias_correction=True needs style='ema' (an average), "
+      f"got style={style!r}; accepted styles with it: ['ema']"
+    )
+
+
 def momentum(
   beta: types.Numeric = 0.95,
   *,
@@ -157,17 +172,7 @@ def momentum(
 
     Kingma and Ba, `Adam <https://arxiv.org/abs/1412.6980>`_, 2015
   """
-  _checks.check_range("beta", beta, 0.0, 1.0)
-  _checks.check_choice("style", style, MOMENTUM_STYLES)
-  if not isinstance(nesterov, bool):
-    raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
-  if not isinstance(bias_correction, bool):
-    raise TypeError(f"bias_correction must be a bool, got {bias_correction!r}")
-  if bias_correction and style != "ema":
-    raise ValueError(
-      f"bias_correction=True needs style='ema' (an average), "
-      f"got style={style!r}; accepted styles with it: ['ema']"
-    )
+  _check_settings(beta, nesterov, style, bias_correction)
   dtype = canonical_dtype("dtype", dtype, quantized=True)
   budget = waves.resolve(memory_budget)
   gradient_weight = (lambda: 1.0 - beta) if style == "ema" else (lambda: 1.0)

@@ -105,6 +105,39 @@ def orthogonalize(
   )[0]
 
 
+def _check_settings(steps, precision, method, eps, preconditioning, add_eps):
+  """Raises naming the first Newton–Schulz setting not accepted."""
+  _checks.check_int("steps", steps, minimum=1)
+  _checks.check_choice("precision", precision, matrices.PRECISIONS)
+  _checks.check_choice("method", method, batched.METHODS)
+  _checks.check_range("eps", eps, 0.0, np.inf)
+  _checks.check_choice("preconditioning", preconditioning, ns.PRECONDITIONINGS)
+  if not isinstance(add_eps, bool):
+    raise TypeError(f"add_eps must be a bool, got {add_eps!r}")
+  if method == "gram" and precision == "bf16":
+    raise ValueError(
+      "precision='bf16' keeps the iterate X in bf16 between steps, but "
+      "method='gram' iterates on the Gram matrix (no X until the end), whose "
+      "rounding bf16 would amplify; accepted: method='standard' with "
+      "precision='bf16', or method='gram' with precision in "
+      "['highest', 'high', 'medium', 'fp16']"
+    )
+
+
+def _check_spectral_sharding(preconditioning, sharding) -> None:
+  if (
+    preconditioning == "spectral"
+    and sharding is not None
+    and sharding.mode == "distributed"
+  ):
+    raise ValueError(
+      "preconditioning='spectral' needs each whole matrix (an SVD), but "
+      "sharding.mode='distributed' keeps matrices split; accepted: "
+      "preconditioning in ['frobenius', 'aol', 'schatten'] with that mode, "
+      "or sharding.mode in ['blockwise', 'duplicated', 'allgather']"
+    )
+
+
 def orthogonalizer(
   *,
   coefficients: types.Coefficients = "quintic",
@@ -127,34 +160,10 @@ def orthogonalizer(
   With ``torch_orientation`` a square matrix is iterated as torch holds it
   (``layout.torch_oriented``; ``compat.torch_muon``)."""
   table, mode = coefficients_lib.resolve_coefficients(coefficients)
-  _checks.check_int("steps", steps, minimum=1)
-  _checks.check_choice("precision", precision, matrices.PRECISIONS)
-  _checks.check_choice("method", method, batched.METHODS)
-  _checks.check_range("eps", eps, 0.0, np.inf)
-  _checks.check_choice("preconditioning", preconditioning, ns.PRECONDITIONINGS)
-  if not isinstance(add_eps, bool):
-    raise TypeError(f"add_eps must be a bool, got {add_eps!r}")
-  if method == "gram" and precision == "bf16":
-    raise ValueError(
-      "precision='bf16' keeps the iterate X in bf16 between steps, but "
-      "method='gram' iterates on the Gram matrix (no X until the end), whose "
-      "rounding bf16 would amplify; accepted: method='standard' with "
-      "precision='bf16', or method='gram' with precision in "
-      "['highest', 'high', 'medium', 'fp16']"
-    )
+  _check_settings(steps, precision, method, eps, preconditioning, add_eps)
   sharding_lib.check_sharding(sharding)
+  _check_spectral_sharding(preconditioning, sharding)
   budget = waves.resolve(memory_budget)
-  if (
-    preconditioning == "spectral"
-    and sharding is not None
-    and sharding.mode == "distributed"
-  ):
-    raise ValueError(
-      "preconditioning='spectral' needs each whole matrix (an SVD), but "
-      "sharding.mode='distributed' keeps matrices split; accepted: "
-      "preconditioning in ['frobenius', 'aol', 'schatten'] with that mode, "
-      "or sharding.mode in ['blockwise', 'duplicated', 'allgather']"
-    )
   resolve_layout = layout.view_resolver(
     dimension_numbers, split_qkv, split_gate_up
   )
