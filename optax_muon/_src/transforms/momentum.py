@@ -67,8 +67,16 @@ class BiasCorrectedMomentumState(NamedTuple):
   mu: optax.Updates
 
 
+def gradient_weight(beta, style: str):
+  """The gradient's weight in the buffer: ``1 − β`` for ``"ema"``, 1 for
+  ``"sgd"`` (a function, so a traced ``β`` is read when the step runs)."""
+  return (lambda: 1.0 - beta) if style == "ema" else (lambda: 1.0)
+
+
 def ema_step(g, m, weight, beta, nesterov):
-  """``(update, new buffer)`` from a gradient and the old buffer."""
+  """``(update, new buffer)`` from a gradient and the old buffer: the
+  momentum step, written once (``momentum``'s float and 8-bit paths and the
+  fused ``muon_direction`` all take it)."""
   new = weight * g + beta * m
   return (weight * g + beta * new if nesterov else new), new
 
@@ -175,7 +183,7 @@ def momentum(
   _check_settings(beta, nesterov, style, bias_correction)
   dtype = canonical_dtype("dtype", dtype, quantized=True)
   budget = waves.resolve(memory_budget)
-  gradient_weight = (lambda: 1.0 - beta) if style == "ema" else (lambda: 1.0)
+  weight_of = gradient_weight(beta, style)
   new_mu: Callable[[Any], Any]
   quantized = isinstance(dtype, QuantizedMomentum)
   if isinstance(dtype, QuantizedMomentum):
@@ -220,7 +228,7 @@ def momentum(
     stored = quantize.leaves(state.mu, treedef)
     outputs: list[Any] = [None] * len(grads)
     buffers: list[Any] = [None] * len(grads)
-    step = lambda g, m: ema_step(g, m, gradient_weight(), beta, nesterov)
+    step = lambda g, m: ema_step(g, m, weight_of(), beta, nesterov)
 
     def finish(i, results):
       outputs[i] = results[0]
@@ -239,20 +247,23 @@ def momentum(
     if quantized and not bias_correction:
       return quantized_update_fn(updates, state, params)
     del params
-    weight = gradient_weight()
+    weight = weight_of()
     treedef = jax.tree.structure(updates)
     previous = load(state.mu, treedef)
     # bf16 grads into an fp32 buffer are summed in fp32
     updates = jax.tree.map(
       lambda g, m: g.astype(jnp.result_type(g, m)), updates, previous
     )
-    mu = jax.tree.map(lambda g, m: weight * g + beta * m, updates, previous)
+    steps = [
+      ema_step(g, m, weight, beta, nesterov and not bias_correction)
+      for g, m in zip(
+        treedef.flatten_up_to(updates), treedef.flatten_up_to(previous)
+      )
+    ]
+    mu = treedef.unflatten([new for _, new in steps])
     stored = store(mu, state.mu, treedef)
     if not bias_correction:
-      if nesterov:
-        out = jax.tree.map(lambda g, m: weight * g + beta * m, updates, mu)
-      else:
-        out = mu
+      out = treedef.unflatten([update for update, _ in steps])
       return out, MomentumState(mu=stored)
     count = optax.safe_increment(state.count)
     if nesterov:

@@ -47,7 +47,7 @@ def momentum_orthogonalize(
   )
   orthogonalize, run = orthogonalize_lib.orthogonalizer(**orthogonalize_kwargs)
   quantized = isinstance(dtype, quantize.QuantizedMomentum)
-  weight = (lambda: 1.0 - beta) if style == "ema" else (lambda: 1.0)
+  weight = momentum_lib.gradient_weight(beta, style)
 
   def init_fn(params):
     state = momentum.init(params)
