@@ -44,6 +44,31 @@ def gaussian(shape, seed=0, dtype=jnp.float32):
   return normal(jax.random.key(seed), shape, dtype)
 
 
+def update_collectives(tx, tree, specs, mesh, optimized=True) -> dict:
+  """Bytes per collective kind of ``tx.update`` on abstract copies of
+  ``tree`` sharded as ``specs`` over ``mesh``: of the compiled program, or
+  of the one JAX asks for (XLA:CPU widens a bfloat16 all-reduce to
+  float32; the TPU and GPU compilers keep it)."""
+  import sys  # noqa: PLC0415
+
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import _hlo  # noqa: PLC0415  (the benchmarks' HLO byte count)
+  from jax.sharding import NamedSharding  # noqa: PLC0415
+
+  tree = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, s)
+    ),
+    tree,
+    specs,
+  )
+  state = jax.eval_shape(tx.init, tree)
+  lowered = jax.jit(tx.update).lower(tree, state, tree)
+  if not optimized:
+    return _hlo.collective_bytes(lowered.compiler_ir("hlo").as_hlo_text())
+  return _hlo.collective_bytes(lowered.compile().as_text())
+
+
 _NORMALS: dict = {}
 
 

@@ -5,7 +5,6 @@ tests/data/record_dion2_local.py), the global scope against the unsharded
 update, the bytes it moves, and bad input."""
 
 import json
-import sys
 
 import chex
 import jax
@@ -24,11 +23,8 @@ from test_dion2 import _steps
 
 import optax_muon as om
 from conftest import DATA
-from conftest import ROOT
 from conftest import gaussian
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import _hlo  # noqa: E402
+from conftest import update_collectives
 
 RECORDED = np.load(DATA / "dion2_local.npz")
 META = json.loads((DATA / "dion2_local.json").read_text())
@@ -166,16 +162,7 @@ def test_global_scope_under_sharding_equals_the_unsharded_update(
 
 
 def _collective_bytes(tx, mesh):
-  params = jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=NamedSharding(mesh, s)
-    ),
-    _tree(),
-    SPECS,
-  )
-  state = jax.eval_shape(tx.init, params)
-  text = jax.jit(tx.update).lower(params, state, params).compile().as_text()
-  return sum(_hlo.collective_bytes(text).values())
+  return sum(update_collectives(tx, _tree(), SPECS, mesh).values())
 
 
 def test_local_scope_moves_about_fraction_of_allgathers_bytes():

@@ -2,8 +2,6 @@
 "distributed")): the unsharded update on (2,4)/(4,2) meshes, no matrix
 gathered, Q kept split, an exact resume, MuonConfig, and bad input."""
 
-import sys
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,11 +13,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
-from conftest import ROOT
 from conftest import gaussian
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import _hlo  # noqa: E402
+from conftest import update_collectives
 
 AUTO = (AxisType.Auto, AxisType.Auto)
 HEADS = om.MuonDimensionNumbers(0, (1, 2))
@@ -141,21 +136,7 @@ def test_q_is_kept_split_as_each_matrixs_shorter_side():
 
 
 def _collectives(tx, mesh, optimized=True):
-  """The update's collective bytes: of the compiled program, or of the one
-  JAX asks for (XLA:CPU widens a bfloat16 all-reduce to float32; the TPU
-  and GPU compilers keep it)."""
-  tree = jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=NamedSharding(mesh, s)
-    ),
-    _tree(),
-    SPECS,
-  )
-  state = jax.eval_shape(tx.init, tree)
-  lowered = jax.jit(tx.update).lower(tree, state, tree)
-  if not optimized:
-    return _hlo.collective_bytes(lowered.compiler_ir("hlo").as_hlo_text())
-  return _hlo.collective_bytes(lowered.compile().as_text())
+  return update_collectives(tx, _tree(), SPECS, mesh, optimized)
 
 
 def test_no_matrix_is_gathered_only_low_rank_products_travel():
