@@ -12,8 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.kernels import coefficients as coefficients_lib
 from optax_muon._src.kernels import gram
+from optax_muon._src.kernels import matrices
 from optax_muon._src.kernels import newton_schulz as ns
 from optax_muon._src.kernels.matrices import from_wide
 from optax_muon._src.kernels.matrices import to_wide
@@ -35,7 +38,7 @@ MIN_STACK_BYTES = 1 << 18
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Solver:
-  """How each matrix is orthogonalized (checked by the transforms).
+  """How each matrix is orthogonalized (``solver`` builds it checked).
 
   Attributes:
     table: the ``(a, b, c)`` rows of the schedule.
@@ -74,6 +77,40 @@ class Solver:
       self,
       preconditioning=ns.PRENORMALIZED,  # type: ignore[arg-type]
     )
+
+
+def solver(
+  *,
+  coefficients: types.Coefficients = "quintic",
+  steps: types.Steps = 5,
+  precision: types.Precision = "highest",
+  method: types.Method = "standard",
+  preconditioning: types.Preconditioning = "frobenius",
+  eps: types.Numeric = 1e-30,
+  add_eps: bool = False,
+) -> Solver:
+  """The ``Solver`` of ``orthogonalize``'s Newton–Schulz keywords (their
+  meanings are there), checked: a setting not accepted raises a
+  ``ValueError`` naming it."""
+  table, mode = coefficients_lib.resolve_coefficients(coefficients)
+  _checks.check_int("steps", steps, minimum=1)
+  _checks.check_choice("precision", precision, matrices.PRECISIONS)
+  _checks.check_choice("method", method, METHODS)
+  _checks.check_range("eps", eps, 0.0, np.inf)
+  _checks.check_choice("preconditioning", preconditioning, ns.PRECONDITIONINGS)
+  if not isinstance(add_eps, bool):
+    raise TypeError(f"add_eps must be a bool, got {add_eps!r}")
+  if method == "gram" and precision == "bf16":
+    raise ValueError(
+      "precision='bf16' keeps the iterate X in bf16 between steps, but "
+      "method='gram' iterates on the Gram matrix (no X until the end), whose "
+      "rounding bf16 would amplify; accepted: method='standard' with "
+      "precision='bf16', or method='gram' with precision in "
+      "['highest', 'high', 'medium', 'fp16']"
+    )
+  return Solver(
+    table, mode, steps, precision, eps, preconditioning, add_eps, method
+  )
 
 
 def _chunks(groups, sizes, ranks: int = 1):

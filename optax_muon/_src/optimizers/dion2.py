@@ -158,7 +158,8 @@ def scale_by_dion2(
     scale_mode=scale_mode,
     extra=extra,
     sharding=None if selection_scope == "global" else sharding,
-    arguments=arguments,
+    solver=settings.solver_of(arguments),
+    memory_budget=memory_budget,
   )
   resolve_views = layout_lib.view_resolver(
     dimension_numbers, split_qkv, split_gate_up

@@ -13,12 +13,14 @@ import optax
 from jax.sharding import NamedSharding
 
 from optax_muon._src.base import types
+from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import dion2_local
 from optax_muon._src.optimizers import dion2_selection as selection
-from optax_muon._src.optimizers import settings
+from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
+from optax_muon._src.views.matrix_views import Views
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -35,7 +37,8 @@ class Dion2Step:
   scale_mode: str
   extra: types.Numeric
   sharding: TensorParallel | None
-  arguments: dict  # scale_by_dion2's, for the orthogonalization
+  solver: batched.Solver  # the selections' Newton–Schulz
+  memory_budget: int | None
   # the whole-matrix selections' orthogonalization, built (and its settings
   # checked) when the transform is
   whole: optax.GradientTransformation = dataclasses.field(init=False)
@@ -44,18 +47,16 @@ class Dion2Step:
     whole = self.orthogonalize(dimension_numbers="leading", sharding=None)
     object.__setattr__(self, "whole", whole)
 
-  def orthogonalize(self, **overrides) -> optax.GradientTransformation:
-    """Newton–Schulz on stacks of selected submatrices (a leading batch
-    axis), with ``overrides`` of the sharding and views."""
-    return orthogonalize_lib.orthogonalize(
-      **settings.forward(
-        orthogonalize_lib.orthogonalize,
-        self.arguments,
-        split_qkv=None,
-        split_gate_up=None,
-        **overrides,
-      )
-    )
+  def orthogonalize(
+    self, dimension_numbers: types.PerLeaf, sharding: TensorParallel | None
+  ) -> optax.GradientTransformation:
+    """Newton–Schulz on stacks of selected submatrices, seen through
+    ``dimension_numbers`` and run over ``sharding``."""
+    return orthogonalize_lib.orthogonalizer(
+      self.solver,
+      Views(dimension_numbers=dimension_numbers),
+      Execution(sharding=sharding, memory_budget=self.memory_budget),
+    ).transform
 
   def plans(self, tree, views):
     """Per leaf of ``tree`` (params or updates), its

@@ -6,14 +6,13 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
-from optax_muon._src.kernels import quantize
 from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
+from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import momentum as momentum_lib
 from optax_muon._src.transforms import muon_direction
-from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.scaling import resolve_extra_scale_factor
 from optax_muon._src.views.layout import from_layout
@@ -111,25 +110,24 @@ def scale_by_muon(
     extra_scale_factor, match_adamw_update_rms, adamw_beta1
   )
   arguments = dict(locals(), layout=None)
-  if state_memory_kind is None and not isinstance(
-    mu_dtype, quantize.QuantizedMomentum
-  ):
-    # the state on the device, as the params (or ZeRO-1) have it: the chain,
-    # which keeps whatever sharding the momentum was given. The fused route
-    # here was measured (at_scale.py --donate, v5p): 61-layer DeepSeek-V3 at
-    # 64 chips 19.7 -> 2.8 GiB of temp, but Llama-3-70B at TP 8 5.3-7.0 ->
-    # 9.4-14.4, the loops then copying each stack's gradient and momentum
-    direction = optax.chain(
-      settings.momentum_of(arguments), settings.orthogonalize_of(arguments)
-    )
-  else:  # 8 bits or host memory: each leaf's momentum in its wave
+  execution = Execution(
+    sharding=sharding,
+    memory_budget=memory_budget,
+    state_memory_kind=state_memory_kind,
+  )
+  if execution.streams(mu_dtype):  # each leaf's momentum in its wave
     direction = muon_direction.momentum_orthogonalize(
       beta,
       nesterov=nesterov,
       style=momentum_style,
       dtype=mu_dtype,
-      memory_kind=state_memory_kind,
-      **settings.forward(orthogonalize_lib.orthogonalize, arguments),
+      solver=settings.solver_of(arguments),
+      views=settings.views_of(arguments),
+      execution=execution,
+    )
+  else:
+    direction = optax.chain(
+      settings.momentum_of(arguments), settings.orthogonalize_of(arguments)
     )
   # optax.chain(direction, shape, scale) with chain(momentum, orthogonalize)'s
   # state kept flat: (MomentumState, EmptyState, EmptyState, EmptyState)

@@ -20,8 +20,11 @@ from typing import Any
 
 import optax
 
+from optax_muon._src.kernels import batched
+from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.transforms import momentum as momentum_lib
 from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
+from optax_muon._src.views.matrix_views import Views
 
 MOMENTUM = ("beta", "nesterov", "momentum_style", "mu_dtype")
 NEWTON_SCHULZ = (
@@ -152,10 +155,30 @@ def momentum_of(arguments: Mapping[str, Any]) -> optax.GradientTransformation:
   )
 
 
+def solver_of(arguments: Mapping[str, Any]) -> batched.Solver:
+  """The Newton–Schulz solver a member's ``arguments`` describe."""
+  return batched.solver(**forward(batched.solver, arguments))
+
+
+def views_of(arguments: Mapping[str, Any], **overrides: Any) -> Views:
+  """The matrix views a member's ``arguments`` (then ``overrides``)
+  describe."""
+  return Views(**forward(Views, arguments, **overrides))
+
+
+def execution_of(arguments: Mapping[str, Any], **overrides: Any) -> Execution:
+  """Where and within which budget a member's ``arguments`` (then
+  ``overrides``) run the orthogonalization."""
+  return Execution(**forward(Execution, arguments, **overrides))
+
+
 def orthogonalize_of(
   arguments: Mapping[str, Any],
 ) -> optax.GradientTransformation:
-  """The Newton–Schulz orthogonalization a member's ``arguments`` describe."""
-  return orthogonalize_lib.orthogonalize(
-    **forward(orthogonalize_lib.orthogonalize, arguments)
-  )
+  """The Newton–Schulz orthogonalization a member's ``arguments`` describe
+  (on the device: its state, if any, is the momentum's business)."""
+  return orthogonalize_lib.orthogonalizer(
+    solver_of(arguments),
+    views_of(arguments),
+    execution_of(arguments, state_memory_kind=None),
+  ).transform

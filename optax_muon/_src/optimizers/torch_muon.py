@@ -12,12 +12,15 @@ from optax.contrib import MuonDimensionNumbers
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.kernels import batched
 from optax_muon._src.optimizers.route import route
+from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.transforms.orthogonalize import orthogonalizer
 from optax_muon._src.views.layout import from_layout
+from optax_muon._src.views.matrix_views import Views
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 WEIGHT_ORDERS = ("in_out", "out_in")
@@ -271,14 +274,17 @@ def torch_muon(
   direction = optax.chain(
     torch_momentum(momentum, nesterov=nesterov, dtype=mu_dtype),
     orthogonalizer(
-      coefficients=[triple],
-      steps=ns_steps,
-      precision=precision,
-      eps=eps,
-      memory_budget=memory_budget,
-      torch_orientation=True,
-      **layout_args,
-    )[0],
+      batched.solver(
+        coefficients=[triple], steps=ns_steps, precision=precision, eps=eps
+      ),
+      Views(
+        dimension_numbers=dimension_numbers,
+        split_qkv=split_qkv,
+        split_gate_up=split_gate_up,
+        torch_orientation=True,
+      ),
+      Execution(sharding=sharding, memory_budget=memory_budget),
+    ).transform,
     scaling.scale_by_shape(
       scale_mode,
       steps=ns_steps,

@@ -55,7 +55,7 @@ def check_memory_budget(memory_budget, name: str = "memory_budget") -> None:
     )
 
 
-def resolve(memory_budget) -> int:
+def resolve(memory_budget: int | None) -> int:
   check_memory_budget(memory_budget)
   return DEFAULT_MEMORY_BUDGET if memory_budget is None else int(memory_budget)
 

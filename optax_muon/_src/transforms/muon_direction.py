@@ -13,39 +13,46 @@ The numbers are the chain's; the state is the chain's, ``(MomentumState,
 EmptyState)``.
 """
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import optax
 
 from optax_muon._src.base import types
+from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import quantize
 from optax_muon._src.parallel import offload
+from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.transforms import momentum as momentum_lib
 from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
+from optax_muon._src.views.matrix_views import Views
 
 
 def momentum_orthogonalize(
-  beta,
+  beta: types.Numeric,
   *,
   nesterov: bool,
   style: types.MomentumStyle,
-  dtype,
-  memory_kind: str | None = None,
-  **orthogonalize_kwargs: Any,
+  dtype: types.MomentumDtype,
+  solver: batched.Solver,
+  views: Views,
+  execution: Execution,
 ) -> optax.GradientTransformation:
   """``optax.chain(momentum(beta, nesterov, style, dtype),
-  orthogonalize(**orthogonalize_kwargs))`` with each leaf's momentum
-  computed in its wave; the state optionally in ``memory_kind`` (see the
-  module)."""
-  offload.check_memory_kind(memory_kind)
-  budget = orthogonalize_kwargs.get("memory_budget")
+  orthogonalizer(solver, views, execution).transform)`` with each leaf's
+  momentum computed in its wave; the state in
+  ``execution.state_memory_kind`` (see the module)."""
+  memory_kind = execution.state_memory_kind
   # checks its arguments and makes the state
   momentum = momentum_lib.momentum(
-    beta, nesterov=nesterov, style=style, dtype=dtype, memory_budget=budget
+    beta,
+    nesterov=nesterov,
+    style=style,
+    dtype=dtype,
+    memory_budget=execution.memory_budget,
   )
-  orthogonalize, run = orthogonalize_lib.orthogonalizer(**orthogonalize_kwargs)
+  orthogonalize, run = orthogonalize_lib.orthogonalizer(
+    solver, views, execution
+  )
   quantized = isinstance(dtype, quantize.QuantizedMomentum)
   weight = momentum_lib.gradient_weight(beta, style)
 

@@ -9,24 +9,21 @@ then put back.
 import dataclasses
 from collections.abc import Callable
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
 from optax_muon._src.base import types
 from optax_muon._src.kernels import batched
-from optax_muon._src.kernels import coefficients as coefficients_lib
 from optax_muon._src.kernels import matrices
-from optax_muon._src.kernels import newton_schulz as ns
 from optax_muon._src.parallel import sharded
-from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel import waves
+from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
-from optax_muon._src.views import layout
+from optax_muon._src.views.matrix_views import Views
 
 
 def orthogonalize(
@@ -90,38 +87,31 @@ def orthogonalize(
     <https://kellerjordan.github.io/posts/muon/>`_, 2024
   """
   return orthogonalizer(
-    coefficients=coefficients,
-    steps=steps,
-    precision=precision,
-    method=method,
-    dimension_numbers=dimension_numbers,
-    split_qkv=split_qkv,
-    split_gate_up=split_gate_up,
-    sharding=sharding,
-    eps=eps,
-    preconditioning=preconditioning,
-    add_eps=add_eps,
-    memory_budget=memory_budget,
-  )[0]
+    batched.solver(
+      coefficients=coefficients,
+      steps=steps,
+      precision=precision,
+      method=method,
+      preconditioning=preconditioning,
+      eps=eps,
+      add_eps=add_eps,
+    ),
+    Views(
+      dimension_numbers=dimension_numbers,
+      split_qkv=split_qkv,
+      split_gate_up=split_gate_up,
+    ),
+    Execution(sharding=sharding, memory_budget=memory_budget),
+  ).transform
 
 
-def _check_settings(steps, precision, method, eps, preconditioning, add_eps):
-  """Raises naming the first Newton–Schulz setting not accepted."""
-  _checks.check_int("steps", steps, minimum=1)
-  _checks.check_choice("precision", precision, matrices.PRECISIONS)
-  _checks.check_choice("method", method, batched.METHODS)
-  _checks.check_range("eps", eps, 0.0, np.inf)
-  _checks.check_choice("preconditioning", preconditioning, ns.PRECONDITIONINGS)
-  if not isinstance(add_eps, bool):
-    raise TypeError(f"add_eps must be a bool, got {add_eps!r}")
-  if method == "gram" and precision == "bf16":
-    raise ValueError(
-      "precision='bf16' keeps the iterate X in bf16 between steps, but "
-      "method='gram' iterates on the Gram matrix (no X until the end), whose "
-      "rounding bf16 would amplify; accepted: method='standard' with "
-      "precision='bf16', or method='gram' with precision in "
-      "['highest', 'high', 'medium', 'fp16']"
-    )
+class Orthogonalizer(NamedTuple):
+  """``orthogonalize``'s transform and its ``run(updates, states=None,
+  step=None)``, which the fused momentum (``muon_direction``) calls with the
+  momentum's state so that each leaf's momentum is computed in its wave."""
+
+  transform: optax.GradientTransformation
+  run: Callable
 
 
 def _check_spectral_sharding(preconditioning, sharding) -> None:
@@ -139,45 +129,17 @@ def _check_spectral_sharding(preconditioning, sharding) -> None:
 
 
 def orthogonalizer(
-  *,
-  coefficients: types.Coefficients = "quintic",
-  steps: types.Steps = 5,
-  precision: types.Precision = "highest",
-  method: types.Method = "standard",
-  dimension_numbers: types.PerLeaf = None,
-  split_qkv: types.PerLeaf = None,
-  split_gate_up: types.PerLeaf = None,
-  sharding: TensorParallel | None = None,
-  eps: types.Numeric = 1e-30,
-  preconditioning: types.Preconditioning = "frobenius",
-  add_eps: bool = False,
-  memory_budget: int | None = None,
-  torch_orientation: bool = False,
-) -> tuple[optax.GradientTransformation, Callable]:
-  """``orthogonalize``'s transform and its ``run(updates, states=None,
-  step=None)``, which the fused momentum (``muon_direction``) calls with the
-  momentum's state so that each leaf's momentum is computed in its wave.
-  With ``torch_orientation`` a square matrix is iterated as torch holds it
-  (``layout.torch_oriented``; ``compat.torch_muon``)."""
-  table, mode = coefficients_lib.resolve_coefficients(coefficients)
-  _check_settings(steps, precision, method, eps, preconditioning, add_eps)
-  sharding_lib.check_sharding(sharding)
-  _check_spectral_sharding(preconditioning, sharding)
-  budget = waves.resolve(memory_budget)
-  resolve_layout = layout.view_resolver(
-    dimension_numbers, split_qkv, split_gate_up
-  )
-  orient = layout.torch_oriented if torch_orientation else (lambda v: v)
+  solver: batched.Solver, views: Views, execution: Execution
+) -> Orthogonalizer:
+  """``orthogonalize`` built from its settings objects: how each matrix is
+  solved, which matrices each leaf holds, and where and within which memory
+  budget the work runs."""
+  sharding = execution.sharding
+  _check_spectral_sharding(solver.preconditioning, sharding)
+  budget = execution.budget
 
-  def resolve_views(tree):
-    return [(p, leaf, orient(v)) for p, leaf, v in resolve_layout(tree)]
-
-  solver = batched.Solver(
-    table, mode, steps, precision, eps, preconditioning, add_eps, method
-  )
-
-  def check_dtypes(views):
-    for path, leaf, _ in views:
+  def check_dtypes(viewed):
+    for path, leaf, _ in viewed:
       if 0 in jnp.shape(leaf):
         raise ValueError(
           f"leaf {_paths.path_string(path) or '<root>'} of shape "
@@ -187,12 +149,12 @@ def orthogonalizer(
         )
       matrices.check_precision_for(
         jnp.result_type(leaf),
-        precision,
+        solver.precision,
         f"leaf {_paths.path_string(path) or '<root>'}",
       )
 
   def init_fn(params):
-    check_dtypes(resolve_views(params))  # bad layouts or dtypes raise here
+    check_dtypes(views(params))  # bad layouts or dtypes raise here
     if sharding is not None and sharding.knows_leaf_specs():
       sharding.leaf_specs(params)  # and bad specs here
     return optax.EmptyState()
@@ -202,26 +164,27 @@ def orthogonalizer(
     state arrays) and ``step``, each leaf first computed from its gradient
     and state inside its wave (``waves.with_state``), and also the new
     states."""
-    views = resolve_views(updates)
-    check_dtypes(views)
-    leaves = [leaf for _, leaf, _ in views]
+    viewed = views(updates)
+    check_dtypes(viewed)
+    leaves = [leaf for _, leaf, _ in viewed]
     treedef = jax.tree.structure(updates)
     if sharding is not None:
       out = sharded.orthogonalize_sharded(
         leaves,
-        [view for _, _, view in views],
+        [view for _, _, view in viewed],
         sharding,
         sharding.leaf_specs(updates),
         solver,
-        memory_budget,  # None: auto's choice by time alone (parallel.cost)
+        # None: auto's choice by time alone (parallel.cost)
+        execution.memory_budget,
         states,
         step,
       )
       if states is None:
         return jax.tree.unflatten(treedef, out), None
       return jax.tree.unflatten(treedef, out[0]), out[1]
-    new_leaves: list[Any] = [None] * len(views)
-    new_states: list[Any] = [None] * len(views)
+    new_leaves: list[Any] = [None] * len(viewed)
+    new_states: list[Any] = [None] * len(viewed)
     tasks = [
       waves.view_task(
         leaf,
@@ -229,7 +192,7 @@ def orthogonalizer(
         lambda out, i=i: new_leaves.__setitem__(i, out),
         "local",
       )
-      for i, (_, leaf, view) in enumerate(views)
+      for i, (_, leaf, view) in enumerate(viewed)
     ]
     if states is not None:
       tasks = [
@@ -251,4 +214,4 @@ def orthogonalizer(
     del params
     return run(updates)[0], state
 
-  return optax.GradientTransformation(init_fn, update_fn), run
+  return Orthogonalizer(optax.GradientTransformation(init_fn, update_fn), run)
