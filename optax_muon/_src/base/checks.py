@@ -65,3 +65,16 @@ def check_choice(name: str, value: Any, choices) -> None:
     raise ValueError(
       f"{name}={value!r} is not accepted; accepted values: {list(choices)}"
     )
+
+
+def check_fraction(name: str, value: Any) -> None:
+  """Raises ValueError unless ``value`` is a number in ``(0, 1]`` (a share
+  of rows, slices or rank; a bool is not one)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise ValueError(
+      f"{name}={value!r} is not accepted; accepted values: a number in (0, 1]"
+    )
+  if not 0 < value <= 1:
+    raise ValueError(
+      f"{name}={value!r} is not accepted; accepted values: (0, 1]"
+    )

@@ -248,11 +248,7 @@ class MuonConfig:
 
   def _check_family(self) -> None:
     """Raises naming the first Dion-family setting not accepted."""
-    if not 0 < self.dion2_fraction <= 1:
-      raise ValueError(
-        f"dion2_fraction={self.dion2_fraction!r} is not accepted; accepted "
-        "values: (0, 1]"
-      )
+    _checks.check_fraction("dion2_fraction", self.dion2_fraction)
     _checks.check_range("dion2_ef_decay", self.dion2_ef_decay, 0.0, 1.0 + 1e-12)
     _checks.check_choice(
       "dion2_selection_scope",
@@ -260,11 +256,7 @@ class MuonConfig:
       dion2_lib.SELECTION_SCOPES,
     )
     _checks.check_range("nordion2_beta2", self.nordion2_beta2, 0.0, 1.0)
-    if not 0 < self.dion_rank_fraction <= 1:
-      raise ValueError(
-        f"dion_rank_fraction={self.dion_rank_fraction!r} is not accepted; "
-        "accepted values: (0, 1]"
-      )
+    _checks.check_fraction("dion_rank_fraction", self.dion_rank_fraction)
     _checks.check_choice(
       "dion_qr_method", self.dion_qr_method, dion_lib.QR_METHODS
     )

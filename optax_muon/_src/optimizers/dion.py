@@ -76,18 +76,7 @@ def _check_settings(
 ) -> None:
   """Raises ``ValueError`` naming the first rank or sharding setting not
   accepted."""
-  if isinstance(rank_fraction, bool) or not isinstance(
-    rank_fraction, (int, float)
-  ):
-    raise ValueError(
-      f"rank_fraction={rank_fraction!r} is not accepted; accepted values: "
-      "a number in (0, 1]"
-    )
-  if not 0 < rank_fraction <= 1:
-    raise ValueError(
-      f"rank_fraction={rank_fraction!r} is not accepted; accepted values: "
-      "(0, 1]"
-    )
+  _checks.check_fraction("rank_fraction", rank_fraction)
   for name, value in (
     ("rank_multiple_of", rank_multiple_of),
     ("power_iters", power_iters),
@@ -253,22 +242,12 @@ def scale_by_dion(
     for i, piece in enumerate(view.to_matrices(b)):
       turned = dion_power.is_turned(*piece.shape[-2:])
       stack = dion_power.tall(piece, turned)
+      rows, n = stack.shape[-2:]
       # by position: flax's nnx.Optimizer hands a tuple back as a mapping
       # from positions
-      q_dtype = leaf_qs[i].dtype
-
-      def run(stack, q, dtype=piece.dtype, q_dtype=q_dtype):
-        direction, momentum, q = rank_step(stack, q.astype(jnp.float32))
-        return (
-          direction.astype(dtype),
-          momentum.astype(dtype),
-          q.astype(q_dtype),
-        )
-
-      rows, n = stack.shape[-2:]
       per_matrix = dion_power.wave_bytes(rows, n, leaf_qs[i].shape[-1])
       direction, momentum, q = dion_power.in_waves(
-        run, stack, leaf_qs[i], budget, per_matrix
+        rank_step, stack, leaf_qs[i], budget, per_matrix
       )
       pieces.append(dion_power.untall(direction, turned))
       kept.append(dion_power.untall(momentum, turned))

@@ -61,15 +61,7 @@ class Dion2State(NamedTuple):
 
 def _check_selection(fraction, ef_decay, sharding, selection_scope) -> None:
   """Raises ``ValueError`` naming the first selection setting not accepted."""
-  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-    raise ValueError(
-      f"fraction={fraction!r} is not accepted; accepted values: a number "
-      "in (0, 1]"
-    )
-  if not 0 < fraction <= 1:
-    raise ValueError(
-      f"fraction={fraction!r} is not accepted; accepted values: (0, 1]"
-    )
+  _checks.check_fraction("fraction", fraction)
   _checks.check_range("ef_decay", ef_decay, 0.0, 1.0 + 1e-12)
   _checks.check_choice("selection_scope", selection_scope, SELECTION_SCOPES)
   sharding_lib.check_sharding(sharding)

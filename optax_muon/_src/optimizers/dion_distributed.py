@@ -27,7 +27,6 @@ import dataclasses
 import math
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -132,11 +131,9 @@ def step(
       whole_rows * q.shape[-1]
     )
 
-    def run(stack, q, dtype=piece.dtype, q_dtype=q.dtype):
-      direction, momentum, q = rank_step(stack, q.astype(jnp.float32), shards)
-      return direction.astype(dtype), momentum.astype(dtype), q.astype(q_dtype)
-
-    direction, kept, q = dion_power.in_waves(run, stack, q, budget, per_matrix)
+    direction, kept, q = dion_power.in_waves(
+      rank_step, stack, q, budget, per_matrix, shards
+    )
     back = lambda x: local.from_matrices([dion_power.untall(x, leaf.turned)])
     return back(direction), back(kept), q
 

@@ -195,11 +195,20 @@ def wave_bytes(rows: int, n: int, r: int) -> int:
   return 4 * (3 * rows * n + 3 * rows * r + 3 * n * r + sketch)
 
 
-def in_waves(step, tall_stack, q, budget: int, per_matrix: int):
-  """``step`` over the stack ``(tall_stack, q)`` in parts of at most
-  ``budget`` bytes (``per_matrix`` each), one part after another
-  (``lax.map``): a 70B model's scanned stack in float32 at once is
-  hundreds of GiB."""
+def in_waves(
+  rank_step, tall_stack, q, budget: int, per_matrix: int, shards=WHOLE
+):
+  """``rank_step(tall, q, shards)`` over the stack ``(tall_stack, q)`` in
+  parts of at most ``budget`` bytes (``per_matrix`` each), one part after
+  another (``lax.map``): a 70B model's scanned stack in float32 at once is
+  hundreds of GiB. ``Q`` is worked on in float32; the direction and
+  momentum come back in the stack's dtype, ``Q`` in its own."""
+  dtype, q_dtype = tall_stack.dtype, q.dtype
+
+  def step(stack, q):
+    direction, momentum, q = rank_step(stack, q.astype(jnp.float32), shards)
+    return direction.astype(dtype), momentum.astype(dtype), q.astype(q_dtype)
+
   count = tall_stack.shape[0]
   part = max(1, min(count, budget // per_matrix))
   if part >= count:
