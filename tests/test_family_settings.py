@@ -211,3 +211,29 @@ def test_the_adamw_group_is_set_the_same_way_in_every_optimizer():
   for member in (om.muon, *OPTIMIZERS):
     got = _one_step(member(0.01, **adam), grads, params)
     chex.assert_trees_all_close(got["bias"], want["bias"], rtol=1e-6)
+
+
+def test_muon_hands_every_direction_setting_to_scale_by_muon(monkeypatch):
+  # muon spells its call out (so mypy follows each setting): a setting left
+  # out of it would fall back to scale_by_muon's default without a word
+  from optax_muon._src.optimizers import muon as muon_module
+
+  received = {}
+
+  class Received(Exception):
+    pass
+
+  def recorder(**kwargs):
+    received.update(kwargs)
+    raise Received
+
+  monkeypatch.setattr(muon_module, "scale_by_muon", recorder)
+  direction_settings = set(_parameters(om.scale_by_muon)) - {"layout"}
+  shared = direction_settings & set(_parameters(om.muon))
+  sentinels = {name: object() for name in shared}
+  with pytest.raises(Received):
+    om.muon(0.1, adam_b1=0.8, **sentinels)
+  assert {name: received.get(name) for name in shared} == sentinels
+  # muon's adam_b1 is scale_by_muon's adamw_beta1 (RMS matching)
+  assert direction_settings - shared == {"adamw_beta1"}
+  assert received["adamw_beta1"] == 0.8

@@ -246,8 +246,28 @@ def muon(
   _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
   labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
   arguments = dict(locals(), layout=None)
+  # spelled out, so that a reader and mypy follow each setting to where it
+  # acts (memory_budget: Execution, then the waves)
   direction = scale_by_muon(
-    **settings.forward(scale_by_muon, arguments, adamw_beta1=adam_b1)
+    beta=beta,
+    nesterov=nesterov,
+    momentum_style=momentum_style,
+    mu_dtype=mu_dtype,
+    coefficients=coefficients,
+    steps=steps,
+    precision=precision,
+    method=method,
+    preconditioning=preconditioning,
+    scale_mode=scale_mode,
+    extra_scale_factor=extra_scale_factor,
+    match_adamw_update_rms=match_adamw_update_rms,
+    adamw_beta1=adam_b1,
+    dimension_numbers=dimension_numbers,
+    split_qkv=split_qkv,
+    split_gate_up=split_gate_up,
+    sharding=sharding,
+    memory_budget=memory_budget,
+    state_memory_kind=state_memory_kind,
   )
   return route(
     direction,
