@@ -36,6 +36,7 @@ from optax.contrib import MuonDimensionNumbers
 from optax_muon._src.optimizers.dion2_selection import normalize_neurons
 from optax_muon._src.optimizers.dion2_selection import selected_count
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
+from optax_muon._src.parallel.tensor_parallel import placed_as
 from optax_muon._src.parallel.tensor_parallel import tp_dim_of
 from optax_muon._src.views import layout as layout_lib
 
@@ -197,7 +198,7 @@ def select(leaf: LocalLeaf, momentum, gradient, ef_decay, mesh):
     in_specs=(spec, spec),
     out_specs=(spec, spec, leaf.index_spec),
     check_vma=False,
-  )(momentum, gradient)
+  )(*placed_as(mesh, (momentum, spec), (gradient, spec)))
 
 
 def _as_stack(x, kinds: str):
@@ -269,4 +270,4 @@ def scatter(
     in_specs=in_specs,
     out_specs=out_specs,
     check_vma=False,
-  )(*operands)
+  )(*placed_as(mesh, *zip(operands, in_specs)))

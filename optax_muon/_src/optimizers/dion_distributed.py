@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from optax_muon._src.optimizers import dion_power
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
+from optax_muon._src.parallel.tensor_parallel import placed_as
 from optax_muon._src.views import layout as layout_lib
 
 
@@ -81,14 +82,9 @@ class DistributedLeaf:
     return jax.device_put(q, NamedSharding(self.mesh, self.q_spec))
 
   def placed_as(self, *pairs) -> list[jax.Array]:
-    """Each ``(array, spec)``'s array split as its spec: on Explicit axes
-    ``shard_map`` takes only arrays typed so (a state restored or built
-    without shardings is replicated); on Auto axes it places them itself."""
-    explicit = jax.sharding.AxisType.Explicit in self.mesh.axis_types
-    return [
-      jax.sharding.reshard(x, NamedSharding(self.mesh, spec)) if explicit else x
-      for x, spec in pairs
-    ]
+    """Each ``(array, spec)``'s array split as its spec
+    (``tensor_parallel.placed_as``)."""
+    return placed_as(self.mesh, *pairs)
 
 
 def plan(

@@ -220,6 +220,19 @@ def check_sharding(sharding) -> None:
     )
 
 
+def placed_as(mesh, *pairs) -> list[jax.Array]:
+  """Each ``(array, spec)``'s array split as ``spec`` on ``mesh``, for a
+  ``shard_map`` with those ``in_specs``: on Explicit axes ``shard_map``
+  takes only arrays typed so (a state restored, or built by ``init`` from
+  unsharded params, is replicated); on Auto axes it places them itself."""
+  if jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    return [x for x, _ in pairs]
+  return [
+    jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))
+    for x, spec in pairs
+  ]
+
+
 def local_view(view: layout.MatrixView, shape) -> layout.MatrixView:
   """The view of a (partly) local block of shape ``shape``."""
   local = dataclasses.replace(view, shape=tuple(shape))
