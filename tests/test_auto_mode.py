@@ -104,11 +104,14 @@ def test_auto_equals_each_leafs_chosen_mode(mesh_shape):
     mode: _update(mesh, sharded, om.TensorParallel(mesh, mode=mode))
     for mode in ("duplicated", "distributed", "allgather")
   }
-  chosen = set()
+  chosen, compiled = set(), set()
   for rates in (CPU, SLOW_LINK, SLOW_MATMUL):
     tp = om.TensorParallel(mesh, mode="auto", rates=rates)
     modes = [c.mode for c in _choices(sharded, tp)]
     chosen |= set(modes)
+    if tuple(modes) in compiled:  # the same program as before
+      continue
+    compiled.add(tuple(modes))
     updates = _update(mesh, sharded, tp)
     for name, mode in zip(sorted(updates), modes):
       got = updates[name]
