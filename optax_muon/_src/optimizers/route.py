@@ -127,23 +127,14 @@ def route(
     if adam_weight_decay_mask is None
     else _mask_by_path("adam_weight_decay_mask", adam_weight_decay_mask)
   )
+  # optax.lion takes AdamW's betas, decay and mask, and no eps
+  shared = dict(
+    b1=adam_b1, b2=adam_b2, weight_decay=adam_weight_decay, mask=scalar_mask
+  )
   if scalar_optimizer == "adam":
-    scalar_chain = optax.adamw(
-      scalar_lr,
-      b1=adam_b1,
-      b2=adam_b2,
-      eps=adam_eps,
-      weight_decay=adam_weight_decay,
-      mask=scalar_mask,
-    )
+    scalar_chain = optax.adamw(scalar_lr, eps=adam_eps, **shared)
   else:
-    scalar_chain = optax.lion(
-      scalar_lr,
-      b1=adam_b1,
-      b2=adam_b2,
-      weight_decay=adam_weight_decay,
-      mask=scalar_mask,
-    )
+    scalar_chain = optax.lion(scalar_lr, **shared)
   return optax.partition(
     {
       labels_lib.MUON: in_params_dtype(muon_chain),
