@@ -18,6 +18,7 @@ import optax_muon as om
 from conftest import ROOT
 from conftest import gaussian
 from optax_muon._src.kernels import quantize
+from optax_muon._src.parallel.execution import Execution
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _hlo  # noqa: E402
@@ -447,3 +448,15 @@ def test_nnx_optimizer_steps_equal_the_functional_path(make):
   chex.assert_trees_all_equal(
     jax.tree.leaves(nnx.as_pure(optimizer.opt_state)), jax.tree.leaves(state)
   )
+
+
+def test_an_8_bit_or_host_momentum_streams_through_the_waves():
+  # the one choice of scale_by_muon's route: each leaf's momentum computed
+  # in the wave that orthogonalizes it (dequantized, or brought from host
+  # memory, a part at a time), or the chain for a float momentum
+  assert Execution().streams(om.QuantizedMomentum(8))
+  assert Execution(state_memory_kind="pinned_host").streams(None)
+  assert not Execution().streams(None)
+  assert not Execution().streams(jnp.bfloat16)
+  with pytest.raises(ValueError, match="memory_budget"):
+    Execution(memory_budget=0)
