@@ -81,11 +81,6 @@ class DistributedLeaf:
   def placed(self, q: jax.Array) -> jax.Array:
     return jax.device_put(q, NamedSharding(self.mesh, self.q_spec))
 
-  def placed_as(self, *pairs) -> list[jax.Array]:
-    """Each ``(array, spec)``'s array split as its spec
-    (``tensor_parallel.placed_as``)."""
-    return placed_as(self.mesh, *pairs)
-
 
 def plan(
   view: layout_lib.MatrixView, spec, tp: TensorParallel
@@ -140,4 +135,4 @@ def step(
     in_specs=(spec, spec, leaf.q_spec),
     out_specs=(spec, spec, leaf.q_spec),
     check_vma=False,
-  )(*leaf.placed_as((momentum, spec), (gradient, spec), (q, leaf.q_spec)))
+  )(*placed_as(leaf.mesh, (momentum, spec), (gradient, spec), (q, leaf.q_spec)))

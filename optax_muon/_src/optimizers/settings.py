@@ -160,10 +160,9 @@ def solver_of(arguments: Mapping[str, Any]) -> batched.Solver:
   return batched.solver(**forward(batched.solver, arguments))
 
 
-def views_of(arguments: Mapping[str, Any], **overrides: Any) -> Views:
-  """The matrix views a member's ``arguments`` (then ``overrides``)
-  describe."""
-  return Views(**forward(Views, arguments, **overrides))
+def views_of(arguments: Mapping[str, Any]) -> Views:
+  """The matrix views a member's ``arguments`` describe."""
+  return Views(**forward(Views, arguments))
 
 
 def execution_of(arguments: Mapping[str, Any], **overrides: Any) -> Execution:
