@@ -33,6 +33,7 @@ from optax_muon._src.optimizers import dion as dion_lib
 from optax_muon._src.optimizers import dion2 as dion2_lib
 from optax_muon._src.optimizers import muon as alias
 from optax_muon._src.optimizers import muon_bp as muon_bp_lib
+from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import SCALAR_OPTIMIZERS
 from optax_muon._src.optimizers.route import matrices_only
 from optax_muon._src.parallel import offload
@@ -55,6 +56,17 @@ OPTIMIZERS = (
 # the members with no Muon tensor-parallel mode of their own: without
 # muon_tp_mode XLA partitions them under jit
 WITHOUT_TP_MODE = ("dion2", "nordion2", "dion")
+# The fields that are a family keyword under Megatron-Core's name. Every other
+# field named ``muon_<keyword>`` (or ``<keyword>``) of the family's keywords
+# (``settings.MuonOptions``) is that keyword as it is; ``build`` makes the
+# rest (``split_qkv``, the mask, the AdamW group, the momentum's bits).
+FIELD_KEYWORDS = {
+  "muon_momentum": "beta",
+  "muon_nesterov": "nesterov",
+  "muon_coefficient_type": "coefficients",
+  "muon_num_ns_steps": "steps",
+  "muon_fp32_matmul_prec": "precision",
+}
 # take an exact muon_tp_mode: each shard selects its own slices
 DION2_FAMILY = ("dion2", "nordion2")
 # Dion takes muon_tp_mode="distributed": its own scheme, each device keeps
@@ -518,47 +530,36 @@ class MuonConfig:
     if check_split and params is not None:
       _check_no_fused_qkv(params)
     optimizer = self._member()
+    keywords = self._family_keywords()
+    keywords.update(
+      split_qkv=split,
+      sharding=sharding,
+      split_gate_up=(
+        (split_gate_up or layout_lib.SplitGateUp())
+        if self.muon_split_gate_up
+        else None
+      ),
+      weight_decay_mask=decay_mask,
+      labels=labels,
+      layout=layout,
+      dimension_numbers=dimension_numbers,
+      adam_learning_rate=adam_lr,
+      adam_b1=b1,
+      adam_b2=b2,
+      adam_eps=self.eps,
+      adam_weight_decay=self.weight_decay,
+      adam_weight_decay_mask=decay_mask,
+      mu_dtype=(
+        None
+        if self.muon_momentum_bits is None
+        else momentum.QuantizedMomentum(
+          self.muon_momentum_bits, self.muon_momentum_block_size
+        )
+      ),
+    )
     tx = optax.chain(
       *clip,
-      optimizer(
-        lr,
-        beta=self.muon_momentum,
-        nesterov=self.muon_nesterov,
-        momentum_style=self.muon_momentum_style,
-        coefficients=self.muon_coefficient_type,
-        steps=self.muon_num_ns_steps,
-        precision=self.muon_fp32_matmul_prec,
-        scale_mode=self.muon_scale_mode,
-        extra_scale_factor=self.muon_extra_scale_factor,
-        match_adamw_update_rms=self.muon_match_adamw_update_rms,
-        split_qkv=split,
-        sharding=sharding,
-        weight_decay=self.weight_decay,
-        split_gate_up=(
-          (split_gate_up or layout_lib.SplitGateUp())
-          if self.muon_split_gate_up
-          else None
-        ),
-        weight_decay_mask=decay_mask,
-        labels=labels,
-        layout=layout,
-        dimension_numbers=dimension_numbers,
-        scalar_optimizer=self.muon_scalar_optimizer,
-        adam_learning_rate=adam_lr,
-        adam_b1=b1,
-        adam_b2=b2,
-        adam_eps=self.eps,
-        adam_weight_decay=self.weight_decay,
-        adam_weight_decay_mask=decay_mask,
-        memory_budget=self.muon_memory_budget,
-        mu_dtype=(
-          None
-          if self.muon_momentum_bits is None
-          else momentum.QuantizedMomentum(
-            self.muon_momentum_bits, self.muon_momentum_block_size
-          )
-        ),
-      ),
+      optimizer(lr, **keywords),
       *clip_logits,
     )
     if not check_split:
@@ -569,6 +570,17 @@ class MuonConfig:
       return tx.init(params)
 
     return optax.GradientTransformationExtraArgs(init_fn, tx.update)
+
+  def _family_keywords(self) -> dict[str, Any]:
+    """The family's keywords that fields set as they are
+    (``FIELD_KEYWORDS``, then ``muon_<keyword>`` and ``<keyword>``)."""
+    family = settings.names(settings.MuonOptions)
+    keywords = {}
+    for field in self.field_names():
+      keyword = FIELD_KEYWORDS.get(field, field.removeprefix("muon_"))
+      if keyword in family:
+        keywords[keyword] = getattr(self, field)
+    return keywords
 
   def _sharding(self, mesh, specs, tp_axis):
     """The ``TensorParallel`` ``build``'s mesh and ``muon_tp_mode`` ask
@@ -661,21 +673,23 @@ class MuonConfig:
     nesterov,
     momentum_style,
     sharding,
-    coefficients,
-    steps,
     **kwargs,
   ):
     """``om.dion`` from ``build``'s Muon keywords: ``muon_momentum`` is its
     ``ef_decay``; the Newton–Schulz settings do not apply. ``sharding`` is
     set when ``muon_tp_mode="distributed"`` (Dion's own scheme)."""
-    del nesterov, momentum_style, coefficients, steps
+    del nesterov, momentum_style
     return dion_lib.dion(
       learning_rate,
       rank_fraction=self.dion_rank_fraction,
       qr_method=self.dion_qr_method,
       ef_decay=beta,
       sharding=sharding,
-      **kwargs,
+      **{
+        name: value
+        for name, value in kwargs.items()
+        if name not in settings.NEWTON_SCHULZ
+      },
     )
 
 

@@ -4,6 +4,7 @@ or matrices whose columns are split over a mesh axis
 (``orthogonalize_split_columns``). The transforms and the tensor-parallel
 planners hand their matrices here."""
 
+import copy
 import dataclasses
 import typing
 from typing import Any
@@ -36,29 +37,51 @@ STACK_BYTES = 1 << 24
 MIN_STACK_BYTES = 1 << 18
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class Solver:
-  """How each matrix is orthogonalized (``solver`` builds it checked).
+  """How each matrix is orthogonalized: ``orthogonalize``'s Newton–Schulz
+  keywords (their meanings are there), checked when built: a setting not
+  accepted raises a ``ValueError`` naming it. ``steps`` and ``eps`` may be
+  traced (``optax.inject_hyperparams``).
 
   Attributes:
-    table: the ``(a, b, c)`` rows of the schedule.
-    mode: ``"cycle"`` or ``"repeat_last"``.
-    steps: Newton–Schulz steps (may be traced).
-    precision: one of ``matrices.PRECISIONS``.
-    eps: floor of the norm.
-    preconditioning: one of ``newton_schulz.PRECONDITIONINGS``.
-    add_eps: add ``eps`` to the norm instead (``optax.contrib.muon``).
-    method: ``"standard"`` or ``"gram"`` (for stacks wide enough).
+    table: the ``(a, b, c)`` rows of the schedule ``coefficients`` names,
+      or given as they are (``optax.contrib``'s own, maybe traced).
+    mode: ``"cycle"`` or ``"repeat_last"`` (with ``table``: given too).
   """
 
-  table: np.ndarray
-  mode: str
-  steps: Any
-  precision: types.Precision
-  eps: Any  # a float, or traced
-  preconditioning: types.Preconditioning = "frobenius"
-  add_eps: bool = False
+  coefficients: types.Coefficients = "quintic"
+  steps: Any = 5
+  precision: types.Precision = "highest"
   method: types.Method = "standard"
+  preconditioning: types.Preconditioning = "frobenius"
+  eps: Any = 1e-30
+  add_eps: bool = False
+  table: Any = None
+  mode: str = "cycle"
+
+  def __post_init__(self):
+    if self.table is None:
+      table, mode = coefficients_lib.resolve_coefficients(self.coefficients)
+      object.__setattr__(self, "table", table)
+      object.__setattr__(self, "mode", mode)
+    _checks.check_int("steps", self.steps, minimum=1)
+    _checks.check_choice("precision", self.precision, matrices.PRECISIONS)
+    _checks.check_choice("method", self.method, METHODS)
+    _checks.check_range("eps", self.eps, 0.0, np.inf)
+    _checks.check_choice(
+      "preconditioning", self.preconditioning, ns.PRECONDITIONINGS
+    )
+    if not isinstance(self.add_eps, bool):
+      raise TypeError(f"add_eps must be a bool, got {self.add_eps!r}")
+    if self.method == "gram" and self.precision == "bf16":
+      raise ValueError(
+        "precision='bf16' keeps the iterate X in bf16 between steps, but "
+        "method='gram' iterates on the Gram matrix (no X until the end), "
+        "whose rounding bf16 would amplify; accepted: method='standard' "
+        "with precision='bf16', or method='gram' with precision in "
+        "['highest', 'high', 'medium', 'fp16']"
+      )
 
   @property
   def normalizes_from_blocks(self) -> bool:
@@ -88,45 +111,11 @@ class Solver:
     )
 
   def prenormalized(self) -> "Solver":
-    """This solver for matrices that come normalized."""
-    return dataclasses.replace(
-      self,
-      preconditioning=ns.PRENORMALIZED,  # type: ignore[arg-type]
-    )
-
-
-def solver(
-  *,
-  coefficients: types.Coefficients = "quintic",
-  steps: types.Steps = 5,
-  precision: types.Precision = "highest",
-  method: types.Method = "standard",
-  preconditioning: types.Preconditioning = "frobenius",
-  eps: types.Numeric = 1e-30,
-  add_eps: bool = False,
-) -> Solver:
-  """The ``Solver`` of ``orthogonalize``'s Newton–Schulz keywords (their
-  meanings are there), checked: a setting not accepted raises a
-  ``ValueError`` naming it."""
-  table, mode = coefficients_lib.resolve_coefficients(coefficients)
-  _checks.check_int("steps", steps, minimum=1)
-  _checks.check_choice("precision", precision, matrices.PRECISIONS)
-  _checks.check_choice("method", method, METHODS)
-  _checks.check_range("eps", eps, 0.0, np.inf)
-  _checks.check_choice("preconditioning", preconditioning, ns.PRECONDITIONINGS)
-  if not isinstance(add_eps, bool):
-    raise TypeError(f"add_eps must be a bool, got {add_eps!r}")
-  if method == "gram" and precision == "bf16":
-    raise ValueError(
-      "precision='bf16' keeps the iterate X in bf16 between steps, but "
-      "method='gram' iterates on the Gram matrix (no X until the end), whose "
-      "rounding bf16 would amplify; accepted: method='standard' with "
-      "precision='bf16', or method='gram' with precision in "
-      "['highest', 'high', 'medium', 'fp16']"
-    )
-  return Solver(
-    table, mode, steps, precision, eps, preconditioning, add_eps, method
-  )
+    """This solver for matrices that come normalized (an internal
+    preconditioning, so not through the user's checks)."""
+    solver = copy.copy(self)
+    object.__setattr__(solver, "preconditioning", ns.PRENORMALIZED)
+    return solver
 
 
 def _chunks(groups, sizes, ranks: int = 1):

@@ -33,16 +33,17 @@ import functools
 import math
 from typing import Any
 from typing import NamedTuple
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import signatures
 from optax_muon._src.base import types
 from optax_muon._src.base.trees import pieces_structure
 from optax_muon._src.kernels import matrices
-from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import dion_distributed
 from optax_muon._src.optimizers import dion_power
 from optax_muon._src.optimizers import settings
@@ -54,10 +55,8 @@ from optax_muon._src.optimizers.dion_power import dion_rank
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel import waves
-from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.momentum import canonical_dtype
-from optax_muon._src.transforms.scaling import resolve_extra_scale_factor
 from optax_muon._src.views import layout as layout_lib
 from optax_muon._src.views.layout import from_layout
 
@@ -115,6 +114,13 @@ def _plans(sharding, tree, views):
   ]
 
 
+@signatures.with_signature(
+  "rank_fraction rank_multiple_of ef_decay power_iters qr_method epsilon"
+  " seed mu_dtype precision memory_budget scale_mode extra_scale_factor"
+  " match_adamw_update_rms adamw_beta1 dimension_numbers split_qkv"
+  " split_gate_up layout sharding",
+  scale_mode="unit_rms_norm",
+)
 def scale_by_dion(
   *,
   rank_fraction: types.Numeric = 1.0,
@@ -124,18 +130,8 @@ def scale_by_dion(
   qr_method: str = "qr",
   epsilon: types.Numeric = 1e-8,
   seed: int = 0,
-  mu_dtype: types.MomentumDtype = None,
-  precision: types.Precision = "highest",
-  memory_budget: int | None = None,
-  scale_mode: types.ScaleMode = "unit_rms_norm",
-  extra_scale_factor: types.Numeric | None = None,
-  match_adamw_update_rms: bool = False,
   adamw_beta1: types.Numeric = 0.9,
-  dimension_numbers: types.PerLeaf = None,
-  split_qkv: types.PerLeaf = None,
-  split_gate_up: types.PerLeaf = None,
-  layout: Any = None,
-  sharding: TensorParallel | None = None,
+  **options: Unpack[settings.DionDirectionOptions],
 ) -> optax.GradientTransformation:
   r"""Dion's direction: see the module docstring for the update.
 
@@ -180,24 +176,26 @@ def scale_by_dion(
     ``dion/dion_reference.py``
   """
   _check_settings(
-    rank_fraction, rank_multiple_of, power_iters, seed, qr_method, sharding
+    rank_fraction,
+    rank_multiple_of,
+    power_iters,
+    seed,
+    qr_method,
+    options["sharding"],
   )
   _checks.check_range("ef_decay", ef_decay, 0.0, 1.0 + 1e-12)
   _checks.check_range("epsilon", epsilon, 0.0, float("inf"))
-  _checks.check_choice("precision", precision, matrices.PRECISIONS)
-  _checks.check_choice("scale_mode", scale_mode, shape_scale.SCALE_MODES)
-  mu_dtype = canonical_dtype("mu_dtype", mu_dtype)
-  budget = waves.resolve(memory_budget)
-  _, dimension_numbers = from_layout(layout, None, dimension_numbers)
-  extra = resolve_extra_scale_factor(
-    extra_scale_factor, match_adamw_update_rms, adamw_beta1
-  )
-  arguments = dict(locals(), layout=None)
+  _checks.check_choice("precision", options["precision"], matrices.PRECISIONS)
+  arguments, extra = settings.scaled_direction_arguments(locals())
+  mu_dtype = canonical_dtype("mu_dtype", options["mu_dtype"])
+  budget = waves.resolve(options["memory_budget"])
   resolve_views = layout_lib.view_resolver(
-    dimension_numbers, split_qkv, split_gate_up
+    arguments["dimension_numbers"],
+    options["split_qkv"],
+    options["split_gate_up"],
   )
 
-  plans = functools.partial(_plans, sharding)
+  plans = functools.partial(_plans, options["sharding"])
 
   def init_fn(params):
     momentum = jax.tree.map(
@@ -227,7 +225,7 @@ def scale_by_dion(
       ef_decay=ef_decay,
       power_iters=power_iters,
       epsilon=epsilon,
-      precision=precision,
+      precision=options["precision"],
       sketch_key=(
         jax.random.fold_in(jax.random.key(seed), 2**31 - 1)
         if qr_method == "rcqr"
@@ -288,11 +286,19 @@ def scale_by_dion(
     )
 
   shape = scaling.scale_by_shape(
-    scale_mode, **settings.forward(scaling.scale_by_shape, arguments)
+    options["scale_mode"], **settings.forward(scaling.scale_by_shape, arguments)
   )
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+@signatures.with_signature(
+  "rank_fraction rank_multiple_of ef_decay power_iters qr_method epsilon"
+  " seed mu_dtype precision memory_budget scale_mode extra_scale_factor"
+  " match_adamw_update_rms dimension_numbers split_qkv split_gate_up layout"
+  " weight_decay weight_decay_mask labels state_memory_kind sharding",
+  rest=("scalar_kwargs", settings.ScalarOptimizerOptions),
+  scale_mode="unit_rms_norm",
+)
 def dion(
   learning_rate: optax.ScalarOrSchedule,
   *,
@@ -303,22 +309,7 @@ def dion(
   qr_method: str = "qr",
   epsilon: types.Numeric = 1e-8,
   seed: int = 0,
-  mu_dtype: types.MomentumDtype = None,
-  precision: types.Precision = "highest",
-  memory_budget: int | None = None,
-  scale_mode: types.ScaleMode = "unit_rms_norm",
-  extra_scale_factor: types.Numeric | None = None,
-  match_adamw_update_rms: bool = False,
-  dimension_numbers: types.PerLeaf = None,
-  split_qkv: types.PerLeaf = None,
-  split_gate_up: types.PerLeaf = None,
-  layout: Any = None,
-  weight_decay: types.Numeric = 0.0,
-  weight_decay_mask: types.PerLeaf = None,
-  labels: types.PerLeaf = None,
-  state_memory_kind: types.MemoryKind | None = None,
-  sharding: TensorParallel | None = None,
-  **scalar_kwargs,
+  **options: Unpack[settings.DionOptions],
 ) -> optax.GradientTransformation:
   r"""Dion for the matrices, AdamW for the rest: ``om.muon``'s routing with
   ``scale_by_dion`` as the direction;
@@ -371,12 +362,9 @@ def dion(
     Ahn et al., `Dion: Distributed Orthonormalized Updates
     <https://arxiv.org/abs/2504.05295>`_, 2025
   """
-  labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
-  arguments = dict(locals(), layout=None)
-  direction = scale_by_dion(**settings.forward(scale_by_dion, arguments))
-  return route(
-    direction,
-    learning_rate,
-    **settings.forward(route, arguments),
-    **scalar_kwargs,
+  arguments = settings.arguments_of(locals(), layout=None)
+  arguments["labels"], arguments["dimension_numbers"] = from_layout(
+    options["layout"], options["labels"], options["dimension_numbers"]
   )
+  direction = scale_by_dion(**settings.forward(scale_by_dion, arguments))
+  return route(direction, learning_rate, **settings.forward(route, arguments))

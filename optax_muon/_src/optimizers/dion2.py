@@ -26,24 +26,23 @@ each shard of a split matrix selects its own slices (``dion2_local``).
 
 from typing import Any
 from typing import NamedTuple
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import signatures
 from optax_muon._src.base import types
 from optax_muon._src.base.trees import pieces_structure
-from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import dion2_selection as selection
 from optax_muon._src.optimizers import dion2_step
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel.tensor_parallel import EXACT_MODES
-from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms.momentum import canonical_dtype
-from optax_muon._src.transforms.scaling import resolve_extra_scale_factor
 from optax_muon._src.views import layout as layout_lib
 from optax_muon._src.views.layout import from_layout
 
@@ -72,29 +71,23 @@ def _check_selection(fraction, ef_decay, sharding, selection_scope) -> None:
     )
 
 
+@signatures.with_signature(
+  "fraction ef_decay normalize_neurons beta2 mu_dtype coefficients steps"
+  " precision method scale_mode extra_scale_factor match_adamw_update_rms"
+  " adamw_beta1 dimension_numbers split_qkv split_gate_up preconditioning"
+  " layout memory_budget sharding selection_scope",
+  coefficients="polar_express_dion",
+  scale_mode="unit_rms_norm",
+)
 def scale_by_dion2(
   *,
   fraction: types.Numeric = 0.25,
   ef_decay: types.Numeric = 0.95,
   normalize_neurons: bool = False,
   beta2: types.Numeric = 0.95,
-  mu_dtype: types.MomentumDtype = None,
-  coefficients: types.Coefficients = "polar_express_dion",
-  steps: types.Steps = 5,
-  precision: types.Precision = "highest",
-  method: types.Method = "standard",
-  scale_mode: types.ScaleMode = "unit_rms_norm",
-  extra_scale_factor: types.Numeric | None = None,
-  match_adamw_update_rms: bool = False,
   adamw_beta1: types.Numeric = 0.9,
-  dimension_numbers: types.PerLeaf = None,
-  split_qkv: types.PerLeaf = None,
-  split_gate_up: types.PerLeaf = None,
-  preconditioning: types.Preconditioning = "frobenius",
-  layout: Any = None,
-  memory_budget: int | None = None,
-  sharding: TensorParallel | None = None,
   selection_scope: str = "local",
+  **options: Unpack[settings.Dion2DirectionOptions],
 ) -> optax.GradientTransformation:
   r"""Dion2's direction (NorDion2's with ``normalize_neurons``): see the
   module docstring for the update.
@@ -133,28 +126,25 @@ def scale_by_dion2(
     Ahn et al., `Dion2 <https://arxiv.org/abs/2512.16928>`_, 2025;
     microsoft/dion ``dion/dion2.py``, ``dion/nordion2.py``
   """
-  _check_selection(fraction, ef_decay, sharding, selection_scope)
+  _check_selection(fraction, ef_decay, options["sharding"], selection_scope)
   _checks.check_range("beta2", beta2, 0.0, 1.0)
-  _checks.check_choice("scale_mode", scale_mode, shape_scale.SCALE_MODES)
-  mu_dtype = canonical_dtype("mu_dtype", mu_dtype)
-  _, dimension_numbers = from_layout(layout, None, dimension_numbers)
-  extra = resolve_extra_scale_factor(
-    extra_scale_factor, match_adamw_update_rms, adamw_beta1
-  )
-  arguments = dict(locals(), layout=None)
+  arguments, extra = settings.scaled_direction_arguments(locals())
+  mu_dtype = canonical_dtype("mu_dtype", options["mu_dtype"])
   step = dion2_step.Dion2Step(
     fraction=fraction,
     ef_decay=ef_decay,
     normalize_neurons=normalize_neurons,
     beta2=beta2,
-    scale_mode=scale_mode,
+    scale_mode=options["scale_mode"],
     extra=extra,
-    sharding=None if selection_scope == "global" else sharding,
+    sharding=None if selection_scope == "global" else options["sharding"],
     solver=settings.solver_of(arguments),
-    memory_budget=memory_budget,
+    memory_budget=options["memory_budget"],
   )
   resolve_views = layout_lib.view_resolver(
-    dimension_numbers, split_qkv, split_gate_up
+    arguments["dimension_numbers"],
+    options["split_qkv"],
+    options["split_gate_up"],
   )
 
   def init_fn(params):
@@ -205,32 +195,23 @@ def scale_by_dion2(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+@signatures.with_signature(
+  "fraction ef_decay mu_dtype coefficients steps precision method"
+  " scale_mode extra_scale_factor match_adamw_update_rms dimension_numbers"
+  " split_qkv split_gate_up preconditioning layout memory_budget"
+  " weight_decay weight_decay_mask labels state_memory_kind sharding"
+  " selection_scope",
+  rest=("scalar_kwargs", settings.ScalarOptimizerOptions),
+  coefficients="polar_express_dion",
+  scale_mode="unit_rms_norm",
+)
 def dion2(
   learning_rate: optax.ScalarOrSchedule,
   *,
   fraction: types.Numeric = 0.25,
   ef_decay: types.Numeric = 0.95,
-  mu_dtype: types.MomentumDtype = None,
-  coefficients: types.Coefficients = "polar_express_dion",
-  steps: types.Steps = 5,
-  precision: types.Precision = "highest",
-  method: types.Method = "standard",
-  scale_mode: types.ScaleMode = "unit_rms_norm",
-  extra_scale_factor: types.Numeric | None = None,
-  match_adamw_update_rms: bool = False,
-  dimension_numbers: types.PerLeaf = None,
-  split_qkv: types.PerLeaf = None,
-  split_gate_up: types.PerLeaf = None,
-  preconditioning: types.Preconditioning = "frobenius",
-  layout: Any = None,
-  memory_budget: int | None = None,
-  weight_decay: types.Numeric = 0.0,
-  weight_decay_mask: types.PerLeaf = None,
-  labels: types.PerLeaf = None,
-  state_memory_kind: types.MemoryKind | None = None,
-  sharding: TensorParallel | None = None,
   selection_scope: str = "local",
-  **scalar_kwargs,
+  **options: Unpack[settings.Dion2Options],
 ) -> optax.GradientTransformation:
   r"""Dion2 for the matrices, AdamW for the rest: ``om.muon``'s routing with
   ``scale_by_dion2`` as the direction;
@@ -271,44 +252,32 @@ def dion2(
   References:
     Ahn et al., `Dion2 <https://arxiv.org/abs/2512.16928>`_, 2025
   """
-  labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
-  arguments = dict(locals(), layout=None)
-  direction = scale_by_dion2(**settings.forward(scale_by_dion2, arguments))
-  return route(
-    direction,
-    learning_rate,
-    **settings.forward(route, arguments),
-    **scalar_kwargs,
+  arguments = settings.arguments_of(locals(), layout=None)
+  arguments["labels"], arguments["dimension_numbers"] = from_layout(
+    options["layout"], options["labels"], options["dimension_numbers"]
   )
+  direction = scale_by_dion2(**settings.forward(scale_by_dion2, arguments))
+  return route(direction, learning_rate, **settings.forward(route, arguments))
 
 
+@signatures.with_signature(
+  "fraction beta beta2 mu_dtype coefficients steps precision method"
+  " scale_mode extra_scale_factor match_adamw_update_rms dimension_numbers"
+  " split_qkv split_gate_up preconditioning layout memory_budget"
+  " weight_decay weight_decay_mask labels state_memory_kind sharding"
+  " selection_scope",
+  rest=("scalar_kwargs", settings.ScalarOptimizerOptions),
+  coefficients="polar_express_dion",
+  scale_mode="unit_rms_norm",
+)
 def nordion2(
   learning_rate: optax.ScalarOrSchedule,
   *,
   fraction: types.Numeric = 0.25,
   beta: types.Numeric = 0.95,
   beta2: types.Numeric = 0.95,
-  mu_dtype: types.MomentumDtype = None,
-  coefficients: types.Coefficients = "polar_express_dion",
-  steps: types.Steps = 5,
-  precision: types.Precision = "highest",
-  method: types.Method = "standard",
-  scale_mode: types.ScaleMode = "unit_rms_norm",
-  extra_scale_factor: types.Numeric | None = None,
-  match_adamw_update_rms: bool = False,
-  dimension_numbers: types.PerLeaf = None,
-  split_qkv: types.PerLeaf = None,
-  split_gate_up: types.PerLeaf = None,
-  preconditioning: types.Preconditioning = "frobenius",
-  layout: Any = None,
-  memory_budget: int | None = None,
-  weight_decay: types.Numeric = 0.0,
-  weight_decay_mask: types.PerLeaf = None,
-  labels: types.PerLeaf = None,
-  state_memory_kind: types.MemoryKind | None = None,
-  sharding: TensorParallel | None = None,
   selection_scope: str = "local",
-  **scalar_kwargs,
+  **options: Unpack[settings.Dion2Options],
 ) -> optax.GradientTransformation:
   r"""NorDion2 for the matrices, AdamW for the rest: ``dion2`` selecting
   output neurons, with ``ef_decay = beta``, each selected neuron divided by
@@ -337,16 +306,13 @@ def nordion2(
     microsoft/dion ``dion/nordion2.py``; Li et al., `NorMuon
     <https://arxiv.org/abs/2510.05491>`_, 2025
   """
-  labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
-  arguments = dict(locals(), layout=None)
+  arguments = settings.arguments_of(locals(), layout=None)
+  arguments["labels"], arguments["dimension_numbers"] = from_layout(
+    options["layout"], options["labels"], options["dimension_numbers"]
+  )
   direction = scale_by_dion2(
     **settings.forward(
       scale_by_dion2, arguments, ef_decay=beta, normalize_neurons=True
     )
   )
-  return route(
-    direction,
-    learning_rate,
-    **settings.forward(route, arguments),
-    **scalar_kwargs,
-  )
+  return route(direction, learning_rate, **settings.forward(route, arguments))

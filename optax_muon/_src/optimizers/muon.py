@@ -1,45 +1,32 @@
 """The ready-made chains: ``scale_by_muon`` and ``muon``."""
 
-from typing import Any
+from typing import Unpack
 
 import optax
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import signatures
 from optax_muon._src.base import types
-from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel.execution import Execution
-from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import momentum as momentum_lib
 from optax_muon._src.transforms import muon_direction
 from optax_muon._src.transforms import scaling
-from optax_muon._src.transforms.scaling import resolve_extra_scale_factor
 from optax_muon._src.views.layout import from_layout
 
 
+@signatures.with_signature(
+  "beta nesterov momentum_style mu_dtype coefficients steps precision method"
+  " scale_mode extra_scale_factor match_adamw_update_rms adamw_beta1"
+  " dimension_numbers split_qkv sharding preconditioning layout split_gate_up"
+  " memory_budget state_memory_kind"
+)
 def scale_by_muon(
   *,
-  beta: types.Numeric = 0.95,
-  nesterov: bool = True,
-  momentum_style: types.MomentumStyle = "ema",
-  mu_dtype: types.MomentumDtype = None,
-  coefficients: types.Coefficients = "quintic",
-  steps: types.Steps = 5,
-  precision: types.Precision = "highest",
-  method: types.Method = "standard",
-  scale_mode: types.ScaleMode = "spectral",
-  extra_scale_factor: types.Numeric | None = None,
-  match_adamw_update_rms: bool = False,
   adamw_beta1: types.Numeric = 0.9,
-  dimension_numbers: types.PerLeaf = None,
-  split_qkv: types.PerLeaf = None,
-  sharding: TensorParallel | None = None,
-  preconditioning: types.Preconditioning = "frobenius",
-  layout: Any = None,
-  split_gate_up: types.PerLeaf = None,
-  memory_budget: int | None = None,
   state_memory_kind: types.MemoryKind | None = None,
+  **options: Unpack[settings.MuonDirectionOptions],
 ) -> optax.GradientTransformation:
   r"""Muon's direction: momentum, orthogonalized, scaled by shape.
 
@@ -101,25 +88,21 @@ def scale_by_muon(
   # Checked here under this function's names (momentum's ``style`` is our
   # ``momentum_style``), so that an error names the argument the user passed.
   _checks.check_choice(
-    "momentum_style", momentum_style, momentum_lib.MOMENTUM_STYLES
+    "momentum_style", options["momentum_style"], momentum_lib.MOMENTUM_STYLES
   )
-  _checks.check_choice("scale_mode", scale_mode, shape_scale.SCALE_MODES)
+  arguments, extra = settings.scaled_direction_arguments(locals())
+  mu_dtype = options["mu_dtype"]
   momentum_lib.canonical_dtype("mu_dtype", mu_dtype, quantized=True)
-  _, dimension_numbers = from_layout(layout, None, dimension_numbers)
-  extra = resolve_extra_scale_factor(
-    extra_scale_factor, match_adamw_update_rms, adamw_beta1
-  )
-  arguments = dict(locals(), layout=None)
   execution = Execution(
-    sharding=sharding,
-    memory_budget=memory_budget,
+    sharding=options["sharding"],
+    memory_budget=options["memory_budget"],
     state_memory_kind=state_memory_kind,
   )
   if execution.streams(mu_dtype):  # each leaf's momentum in its wave
     direction = muon_direction.momentum_orthogonalize(
-      beta,
-      nesterov=nesterov,
-      style=momentum_style,
+      options["beta"],
+      nesterov=options["nesterov"],
+      style=options["momentum_style"],
       dtype=mu_dtype,
       solver=settings.solver_of(arguments),
       views=settings.views_of(arguments),
@@ -132,7 +115,8 @@ def scale_by_muon(
   # optax.chain(direction, shape, scale) with chain(momentum, orthogonalize)'s
   # state kept flat: (MomentumState, EmptyState, EmptyState, EmptyState)
   shape = scaling.scale_by_shape(
-    scale_mode, **settings.forward(scaling.scale_by_shape, arguments)
+    options["scale_mode"],
+    **settings.forward(scaling.scale_by_shape, arguments),
   )
   scale = optax.scale(extra)
 
@@ -148,38 +132,17 @@ def scale_by_muon(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+@signatures.with_signature(
+  "beta nesterov momentum_style mu_dtype coefficients steps precision method"
+  " scale_mode extra_scale_factor match_adamw_update_rms dimension_numbers"
+  " split_qkv sharding weight_decay weight_decay_mask labels scalar_optimizer"
+  " adam_learning_rate adam_b1 adam_b2 adam_eps adam_weight_decay"
+  " adam_weight_decay_mask preconditioning layout split_gate_up memory_budget"
+  " state_memory_kind"
+)
 def muon(
   learning_rate: optax.ScalarOrSchedule,
-  *,
-  beta: types.Numeric = 0.95,
-  nesterov: bool = True,
-  momentum_style: types.MomentumStyle = "ema",
-  mu_dtype: types.MomentumDtype = None,
-  coefficients: types.Coefficients = "quintic",
-  steps: types.Steps = 5,
-  precision: types.Precision = "highest",
-  method: types.Method = "standard",
-  scale_mode: types.ScaleMode = "spectral",
-  extra_scale_factor: types.Numeric | None = None,
-  match_adamw_update_rms: bool = False,
-  dimension_numbers: types.PerLeaf = None,
-  split_qkv: types.PerLeaf = None,
-  sharding: TensorParallel | None = None,
-  weight_decay: types.Numeric = 0.0,
-  weight_decay_mask: types.PerLeaf = None,
-  labels: types.PerLeaf = None,
-  scalar_optimizer: types.ScalarOptimizer = "adam",
-  adam_learning_rate: optax.ScalarOrSchedule | None = None,
-  adam_b1: types.Numeric = 0.9,
-  adam_b2: types.Numeric = 0.999,
-  adam_eps: types.Numeric = 1e-8,
-  adam_weight_decay: types.Numeric = 0.0,
-  adam_weight_decay_mask: types.PerLeaf = None,
-  preconditioning: types.Preconditioning = "frobenius",
-  layout: Any = None,
-  split_gate_up: types.PerLeaf = None,
-  memory_budget: int | None = None,
-  state_memory_kind: types.MemoryKind | None = None,
+  **options: Unpack[settings.MuonOptions],
 ) -> optax.GradientTransformation:
   r"""Muon for the matrices, AdamW (or Lion) for everything else.
 
@@ -243,31 +206,17 @@ def muon(
   """
   # AdamW's beta1, checked under this function's name (it also sets the
   # RMS-matching factor, where scale_by_muon calls it adamw_beta1)
-  _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
-  labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
-  arguments = dict(locals(), layout=None)
-  # spelled out, so that a reader and mypy follow each setting to where it
-  # acts (memory_budget: Execution, then the waves)
+  _checks.check_range("adam_b1", options["adam_b1"], 0.0, 1.0)
+  labels, dimension_numbers = from_layout(
+    options["layout"], options["labels"], options["dimension_numbers"]
+  )
+  arguments = dict(
+    options, layout=None, labels=labels, dimension_numbers=dimension_numbers
+  )
   direction = scale_by_muon(
-    beta=beta,
-    nesterov=nesterov,
-    momentum_style=momentum_style,
-    mu_dtype=mu_dtype,
-    coefficients=coefficients,
-    steps=steps,
-    precision=precision,
-    method=method,
-    preconditioning=preconditioning,
-    scale_mode=scale_mode,
-    extra_scale_factor=extra_scale_factor,
-    match_adamw_update_rms=match_adamw_update_rms,
-    adamw_beta1=adam_b1,
-    dimension_numbers=dimension_numbers,
-    split_qkv=split_qkv,
-    split_gate_up=split_gate_up,
-    sharding=sharding,
-    memory_budget=memory_budget,
-    state_memory_kind=state_memory_kind,
+    **settings.pick(settings.MuonDirectionOptions, arguments),
+    adamw_beta1=options["adam_b1"],
+    state_memory_kind=options["state_memory_kind"],
   )
   return route(
     direction,

@@ -144,12 +144,11 @@ def orthogonalize_via_newton_schulz(
   steps = ns_steps if rows.ndim == 1 else rows.shape[0]
   view = layout.matrix_view(x.shape, dimension_numbers if x.ndim != 2 else None)
   solver = batched.Solver(
-    rows.reshape(-1, 3),
-    "cycle",
-    steps,
-    precision,
-    eps,
-    preconditioning,
+    table=rows.reshape(-1, 3),
+    steps=steps,
+    precision=precision,
+    eps=eps,
+    preconditioning=preconditioning,
     add_eps=True,
     method=method,
   )

@@ -1,66 +1,205 @@
 """The Muon family's shared settings: declared once, forwarded one way.
 
-``muon``, ``adaptive_muon``, ``polargrad``, ``muon_hyperball`` and ``scion``
-(and their ``scale_by_*`` directions) take the same keywords for the same
-things. Each signature still lists its keywords, so that readers, type
-checkers and completion see them; this module is where they are grouped,
-where a member says which of them do not apply to it and why, and how they
-are forwarded: ``forward(callee, arguments)`` hands on exactly the keywords
-the callee takes, so a keyword added to a member's signature and to the
-callee's reaches it without a forwarding line to write.
-``tests/test_family_settings.py`` holds every member to it: each shared
-setting is accepted with ``scale_by_muon``'s (or ``muon``'s) default and
-annotation, unless ``DIFFERENT_DEFAULTS`` or ``NOT_APPLICABLE`` says why not.
+``muon``, ``adaptive_muon``, ``polargrad``, ``dion``, ``dion2``,
+``nordion2`` (and their ``scale_by_*`` directions) take the same keywords
+for the same things. Each keyword is declared once, with its type and
+default, in a ``TypedDict`` group below (``MomentumOptions``,
+``NewtonSchulzOptions``, ...); a member's ``**options: Unpack[...]`` names
+the groups it takes, and ``signatures.with_signature`` generates the
+signature users see from them, in the member's recorded order. So a type
+checker follows a keyword from ``om.muon`` to where it acts, and a keyword
+added to a group reaches every member that takes it. This module also says
+where a member's default differs or a setting does not apply to it, and
+why; and ``forward(callee, arguments)`` hands on exactly the keywords a
+callee takes. ``tests/test_family_settings.py`` holds every member to it:
+each shared setting is accepted with ``scale_by_muon``'s (or ``muon``'s)
+default and annotation, unless ``DIFFERENT_DEFAULTS`` or
+``NOT_APPLICABLE`` says why not.
 """
 
 import inspect
+import typing
 from collections.abc import Callable
 from collections.abc import Mapping
+from typing import Annotated
 from typing import Any
+from typing import TypedDict
+from typing import TypeVar
 
 import optax
 
+from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import signatures
+from optax_muon._src.base import types
+from optax_muon._src.base.signatures import Default
 from optax_muon._src.kernels import batched
+from optax_muon._src.kernels import shape_scale
 from optax_muon._src.parallel.execution import Execution
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import momentum as momentum_lib
 from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
+from optax_muon._src.transforms import scaling
+from optax_muon._src.views.layout import from_layout
 from optax_muon._src.views.matrix_views import Views
 
-MOMENTUM = ("beta", "nesterov", "momentum_style", "mu_dtype")
-NEWTON_SCHULZ = (
-  "coefficients",
-  "steps",
-  "precision",
-  "method",
-  "preconditioning",
-  "memory_budget",
-)
-# how a leaf is seen as matrices, and over which devices they are worked on
-VIEWS = (
-  "dimension_numbers",
-  "split_qkv",
-  "split_gate_up",
-  "sharding",
-  "layout",
-)
-SHAPE_SCALE = ("scale_mode", "extra_scale_factor", "match_adamw_update_rms")
+Options = TypeVar("Options")
+
+
+class MomentumOptions(TypedDict, total=False):
+  """The momentum's keywords (``momentum``)."""
+
+  beta: Annotated[types.Numeric, Default(0.95)]
+  nesterov: Annotated[bool, Default(True)]
+  momentum_style: Annotated[types.MomentumStyle, Default("ema")]
+
+
+class MomentumDtypeOptions(TypedDict, total=False):
+  """How the momentum is stored (Dion's and Dion2's sums too)."""
+
+  mu_dtype: Annotated[types.MomentumDtype, Default(None)]
+
+
+class NewtonSchulzOptions(TypedDict, total=False):
+  """The Newton–Schulz iteration's keywords (``batched.Solver``)."""
+
+  coefficients: Annotated[types.Coefficients, Default("quintic")]
+  steps: Annotated[types.Steps, Default(5)]
+  method: Annotated[types.Method, Default("standard")]
+  preconditioning: Annotated[types.Preconditioning, Default("frobenius")]
+
+
+class ExecutionOptions(TypedDict, total=False):
+  """How and where the matrices are worked on (``Execution``; ``precision``
+  also sets the solver's matmuls)."""
+
+  precision: Annotated[types.Precision, Default("highest")]
+  sharding: Annotated[TensorParallel | None, Default(None)]
+  memory_budget: Annotated[int | None, Default(None)]
+
+
+class ViewOptions(TypedDict, total=False):
+  """How a leaf is seen as matrices (``Views``)."""
+
+  dimension_numbers: Annotated[types.PerLeaf, Default(None)]
+  split_qkv: Annotated[types.PerLeaf, Default(None)]
+  split_gate_up: Annotated[types.PerLeaf, Default(None)]
+  layout: Annotated[Any, Default(None)]
+
+
+class ShapeScaleOptions(TypedDict, total=False):
+  """The factor after the direction (``scale_by_shape``, ``extra``)."""
+
+  scale_mode: Annotated[types.ScaleMode, Default("spectral")]
+  extra_scale_factor: Annotated[types.Numeric | None, Default(None)]
+  match_adamw_update_rms: Annotated[bool, Default(False)]
+
+
+class RoutingOptions(TypedDict, total=False):
+  """Which leaves, their decay, where the state lives (``route``)."""
+
+  labels: Annotated[types.PerLeaf, Default(None)]
+  weight_decay: Annotated[types.Numeric, Default(0.0)]
+  weight_decay_mask: Annotated[types.PerLeaf, Default(None)]
+  state_memory_kind: Annotated[types.MemoryKind | None, Default(None)]
+
+
+class ScalarOptimizerOptions(TypedDict, total=False):
+  """The AdamW (or Lion) group of the other leaves (``route``)."""
+
+  scalar_optimizer: Annotated[types.ScalarOptimizer, Default("adam")]
+  adam_learning_rate: Annotated[optax.ScalarOrSchedule | None, Default(None)]
+  adam_b1: Annotated[types.Numeric, Default(0.9)]
+  adam_b2: Annotated[types.Numeric, Default(0.999)]
+  adam_eps: Annotated[types.Numeric, Default(1e-8)]
+  adam_weight_decay: Annotated[types.Numeric, Default(0.0)]
+  adam_weight_decay_mask: Annotated[types.PerLeaf, Default(None)]
+
+
+# What each member takes: a member's signature is its group's keywords (and
+# its own), generated by ``signatures.with_signature``.
+class OrthogonalizedOptions(
+  NewtonSchulzOptions, ExecutionOptions, ViewOptions, total=False
+):
+  """Newton–Schulz of each leaf's matrices."""
+
+
+class MuonDirectionOptions(
+  MomentumOptions,
+  MomentumDtypeOptions,
+  OrthogonalizedOptions,
+  ShapeScaleOptions,
+  total=False,
+):
+  """``scale_by_muon``'s and ``scale_by_adaptive_muon``'s."""
+
+
+class MuonOptions(
+  MuonDirectionOptions, RoutingOptions, ScalarOptimizerOptions, total=False
+):
+  """``muon``'s and ``adaptive_muon``'s."""
+
+
+class PolarGradDirectionOptions(
+  MomentumOptions, MomentumDtypeOptions, OrthogonalizedOptions, total=False
+):
+  """``scale_by_polargrad``'s (its length is ⟨O, u⟩: no shape scale)."""
+
+
+class PolarGradOptions(
+  PolarGradDirectionOptions, RoutingOptions, ScalarOptimizerOptions, total=False
+):
+  """``polargrad``'s."""
+
+
+class Dion2DirectionOptions(
+  MomentumDtypeOptions, OrthogonalizedOptions, ShapeScaleOptions, total=False
+):
+  """``scale_by_dion2``'s (its momentum is a sum: no momentum keywords)."""
+
+
+class Dion2Options(
+  Dion2DirectionOptions, RoutingOptions, ScalarOptimizerOptions, total=False
+):
+  """``dion2``'s and ``nordion2``'s."""
+
+
+class DionDirectionOptions(
+  MomentumDtypeOptions,
+  ExecutionOptions,
+  ViewOptions,
+  ShapeScaleOptions,
+  total=False,
+):
+  """``scale_by_dion``'s (a QR, no Newton–Schulz)."""
+
+
+class DionOptions(
+  DionDirectionOptions, RoutingOptions, ScalarOptimizerOptions, total=False
+):
+  """``dion``'s."""
+
+
+def names(group: Any) -> tuple[str, ...]:
+  """A group's keywords, in declaration order."""
+  return tuple(signatures.declared(group))
+
+
+def pick(group: type[Options], options: Mapping[str, Any]) -> Options:
+  """The entries of ``options`` that ``group`` declares."""
+  return typing.cast(
+    Options, {name: options[name] for name in names(group) if name in options}
+  )
+
+
+MOMENTUM = names(MomentumOptions) + names(MomentumDtypeOptions)
+NEWTON_SCHULZ = names(NewtonSchulzOptions)
+VIEWS = names(ViewOptions)
+SHAPE_SCALE = names(ShapeScaleOptions)
 # the direction's keywords: scale_by_muon and its siblings take these
-DIRECTION = MOMENTUM + NEWTON_SCHULZ + VIEWS + SHAPE_SCALE
+DIRECTION = names(MuonDirectionOptions)
 # the routing's keywords: which leaves, the AdamW (or Lion) group, the
 # decay, where the state lives (``route``)
-ROUTING = (
-  "labels",
-  "weight_decay",
-  "weight_decay_mask",
-  "scalar_optimizer",
-  "adam_learning_rate",
-  "adam_b1",
-  "adam_b2",
-  "adam_eps",
-  "adam_weight_decay",
-  "adam_weight_decay_mask",
-  "state_memory_kind",
-)
+ROUTING = names(RoutingOptions) + names(ScalarOptimizerOptions)
 
 # A member's default that is not scale_by_muon's / muon's, kept because the
 # reference implementation of that member (EO) has it.
@@ -118,7 +257,6 @@ NOT_APPLICABLE["dion"] = {
     ("coefficients", "steps", "method", "preconditioning"),
     _NO_NEWTON_SCHULZ,
   ),
-  "sharding": "not yet: under jax.jit XLA partitions sharded params",
 }
 NOT_APPLICABLE["scale_by_dion"] = NOT_APPLICABLE["dion"]
 NOT_APPLICABLE["nordion2"] = {
@@ -157,7 +295,7 @@ def momentum_of(arguments: Mapping[str, Any]) -> optax.GradientTransformation:
 
 def solver_of(arguments: Mapping[str, Any]) -> batched.Solver:
   """The Newton–Schulz solver a member's ``arguments`` describe."""
-  return batched.solver(**forward(batched.solver, arguments))
+  return batched.Solver(**forward(batched.Solver, arguments))
 
 
 def views_of(arguments: Mapping[str, Any]) -> Views:
@@ -181,3 +319,36 @@ def orthogonalize_of(
     views_of(arguments),
     execution_of(arguments, state_memory_kind=None),
   ).transform
+
+
+def arguments_of(
+  local_values: Mapping[str, Any], **overrides: Any
+) -> dict[str, Any]:
+  """A generated member's keywords as one mapping: its group's
+  (``options``) and its own (the rest of its ``locals()``), then
+  ``overrides``."""
+  values = dict(local_values)
+  return {**values.pop("options"), **values, **overrides}
+
+
+def scaled_direction_arguments(
+  local_values: Mapping[str, Any],
+) -> tuple[dict[str, Any], Any]:
+  """A shape-scaled direction's keywords (``arguments_of``: Muon's,
+  AdaptiveMuon's, Dion's, Dion2's), checked under the user's names, its
+  ``layout`` read into its dimension numbers; and the factor after the
+  shape scale (``extra_scale_factor``, or AdamW's RMS from
+  ``adamw_beta1``)."""
+  arguments = arguments_of(local_values, layout=None)
+  _checks.check_choice(
+    "scale_mode", arguments["scale_mode"], shape_scale.SCALE_MODES
+  )
+  _, arguments["dimension_numbers"] = from_layout(
+    local_values["options"]["layout"], None, arguments["dimension_numbers"]
+  )
+  extra = scaling.resolve_extra_scale_factor(
+    arguments["extra_scale_factor"],
+    arguments["match_adamw_update_rms"],
+    arguments["adamw_beta1"],
+  )
+  return arguments, extra

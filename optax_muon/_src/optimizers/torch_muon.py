@@ -274,7 +274,7 @@ def torch_muon(
   direction = optax.chain(
     torch_momentum(momentum, nesterov=nesterov, dtype=mu_dtype),
     orthogonalizer(
-      batched.solver(
+      batched.Solver(
         coefficients=[triple], steps=ns_steps, precision=precision, eps=eps
       ),
       Views(

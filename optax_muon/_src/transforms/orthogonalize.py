@@ -87,7 +87,7 @@ def orthogonalize(
     <https://kellerjordan.github.io/posts/muon/>`_, 2024
   """
   return orthogonalizer(
-    batched.solver(
+    batched.Solver(
       coefficients=coefficients,
       steps=steps,
       precision=precision,
