@@ -253,10 +253,7 @@ NOT_APPLICABLE["dion"] = {
   "beta": "the momentum is a sum; ef_decay decays the part the step captured",
   "nesterov": "the momentum is a sum, approximated as it is",
   "momentum_style": "the momentum is a sum (no 1 - beta on the gradient)",
-  **dict.fromkeys(
-    ("coefficients", "steps", "method", "preconditioning"),
-    _NO_NEWTON_SCHULZ,
-  ),
+  **dict.fromkeys(NEWTON_SCHULZ, _NO_NEWTON_SCHULZ),
 }
 NOT_APPLICABLE["scale_by_dion"] = NOT_APPLICABLE["dion"]
 NOT_APPLICABLE["nordion2"] = {
