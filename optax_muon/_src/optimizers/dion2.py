@@ -195,15 +195,24 @@ def scale_by_dion2(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-@signatures.with_signature(
-  "fraction ef_decay mu_dtype coefficients steps precision method"
-  " scale_mode extra_scale_factor match_adamw_update_rms dimension_numbers"
-  " split_qkv split_gate_up preconditioning layout memory_budget"
-  " weight_decay weight_decay_mask labels state_memory_kind sharding"
-  " selection_scope",
+# dion2's and nordion2's keywords after their first own ones, and how their
+# signatures differ from muon's: AdamW's keywords in **scalar_kwargs,
+# microsoft/dion's defaults (settings.DIFFERENT_DEFAULTS)
+_OPTIMIZER_ORDER = (
+  " mu_dtype coefficients steps precision method scale_mode"
+  " extra_scale_factor match_adamw_update_rms dimension_numbers split_qkv"
+  " split_gate_up preconditioning layout memory_budget weight_decay"
+  " weight_decay_mask labels state_memory_kind sharding selection_scope"
+)
+_OPTIMIZER_SIGNATURE: dict[str, Any] = dict(
   rest=("scalar_kwargs", settings.ScalarOptimizerOptions),
   coefficients="polar_express_dion",
   scale_mode="unit_rms_norm",
+)
+
+
+@signatures.with_signature(
+  "fraction ef_decay" + _OPTIMIZER_ORDER, **_OPTIMIZER_SIGNATURE
 )
 def dion2(
   learning_rate: optax.ScalarOrSchedule,
@@ -261,14 +270,7 @@ def dion2(
 
 
 @signatures.with_signature(
-  "fraction beta beta2 mu_dtype coefficients steps precision method"
-  " scale_mode extra_scale_factor match_adamw_update_rms dimension_numbers"
-  " split_qkv split_gate_up preconditioning layout memory_budget"
-  " weight_decay weight_decay_mask labels state_memory_kind sharding"
-  " selection_scope",
-  rest=("scalar_kwargs", settings.ScalarOptimizerOptions),
-  coefficients="polar_express_dion",
-  scale_mode="unit_rms_norm",
+  "fraction beta beta2" + _OPTIMIZER_ORDER, **_OPTIMIZER_SIGNATURE
 )
 def nordion2(
   learning_rate: optax.ScalarOrSchedule,
