@@ -143,7 +143,10 @@ def with_signature(
 
     @functools.wraps(function)
     def member(*args: Any, **kwargs: Any) -> Result:
-      bound = signature.bind(*args, **kwargs)
+      try:
+        bound = signature.bind(*args, **kwargs)
+      except TypeError as error:  # named, as Python names a function's
+        raise TypeError(f"{function.__name__}() {error}") from None
       if rest is not None:
         for name in set(bound.arguments.get(rest[0], {})) - handed_on:
           raise TypeError(
