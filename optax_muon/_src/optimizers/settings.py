@@ -291,8 +291,12 @@ def momentum_of(arguments: Mapping[str, Any]) -> optax.GradientTransformation:
 
 
 def solver_of(arguments: Mapping[str, Any]) -> batched.Solver:
-  """The Newton–Schulz solver a member's ``arguments`` describe."""
-  return batched.Solver(**forward(batched.Solver, arguments))
+  """The Newton–Schulz solver a member's ``arguments`` describe: its
+  ``NewtonSchulzOptions`` and ``precision`` (mypy holds each of the group's
+  keywords to a ``Solver`` field)."""
+  return batched.Solver(
+    **pick(NewtonSchulzOptions, arguments), precision=arguments["precision"]
+  )
 
 
 def views_of(arguments: Mapping[str, Any]) -> Views:
