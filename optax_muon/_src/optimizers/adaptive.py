@@ -40,7 +40,6 @@ from optax_muon._src.transforms.moment2 import scale_by_moment2
 # the functions by their own modules: the package's names are the functions
 from optax_muon._src.transforms.momentum import MOMENTUM_STYLES
 from optax_muon._src.transforms.momentum import canonical_dtype
-from optax_muon._src.views.layout import from_layout
 
 
 class AdaptiveMuonState(NamedTuple):
@@ -173,10 +172,7 @@ def adaptive_muon(
     Megatron-Core ``optimizer="adaptive_muon"``
   """
   _checks.check_range("adam_b1", options["adam_b1"], 0.0, 1.0)
-  arguments = settings.arguments_of(locals(), layout=None)
-  arguments["labels"], arguments["dimension_numbers"] = from_layout(
-    options["layout"], options["labels"], options["dimension_numbers"]
-  )
+  arguments = settings.routed_arguments(locals())
   direction = scale_by_adaptive_muon(
     **settings.forward(
       scale_by_adaptive_muon, arguments, adamw_beta1=options["adam_b1"]

@@ -58,7 +58,6 @@ from optax_muon._src.parallel import waves
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.views import layout as layout_lib
-from optax_muon._src.views.layout import from_layout
 
 
 class DionState(NamedTuple):
@@ -362,9 +361,6 @@ def dion(
     Ahn et al., `Dion: Distributed Orthonormalized Updates
     <https://arxiv.org/abs/2504.05295>`_, 2025
   """
-  arguments = settings.arguments_of(locals(), layout=None)
-  arguments["labels"], arguments["dimension_numbers"] = from_layout(
-    options["layout"], options["labels"], options["dimension_numbers"]
-  )
+  arguments = settings.routed_arguments(locals())
   direction = scale_by_dion(**settings.forward(scale_by_dion, arguments))
   return route(direction, learning_rate, **settings.forward(route, arguments))

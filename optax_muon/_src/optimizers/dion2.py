@@ -44,7 +44,6 @@ from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel.tensor_parallel import EXACT_MODES
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.views import layout as layout_lib
-from optax_muon._src.views.layout import from_layout
 
 SELECTION_SCOPES = ("local", "global")
 
@@ -261,10 +260,7 @@ def dion2(
   References:
     Ahn et al., `Dion2 <https://arxiv.org/abs/2512.16928>`_, 2025
   """
-  arguments = settings.arguments_of(locals(), layout=None)
-  arguments["labels"], arguments["dimension_numbers"] = from_layout(
-    options["layout"], options["labels"], options["dimension_numbers"]
-  )
+  arguments = settings.routed_arguments(locals())
   direction = scale_by_dion2(**settings.forward(scale_by_dion2, arguments))
   return route(direction, learning_rate, **settings.forward(route, arguments))
 
@@ -308,10 +304,7 @@ def nordion2(
     microsoft/dion ``dion/nordion2.py``; Li et al., `NorMuon
     <https://arxiv.org/abs/2510.05491>`_, 2025
   """
-  arguments = settings.arguments_of(locals(), layout=None)
-  arguments["labels"], arguments["dimension_numbers"] = from_layout(
-    options["layout"], options["labels"], options["dimension_numbers"]
-  )
+  arguments = settings.routed_arguments(locals())
   direction = scale_by_dion2(
     **settings.forward(
       scale_by_dion2, arguments, ef_decay=beta, normalize_neurons=True

@@ -13,7 +13,6 @@ from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.transforms import momentum as momentum_lib
 from optax_muon._src.transforms import muon_direction
 from optax_muon._src.transforms import scaling
-from optax_muon._src.views.layout import from_layout
 
 
 @signatures.with_signature(
@@ -207,12 +206,7 @@ def muon(
   # AdamW's beta1, checked under this function's name (it also sets the
   # RMS-matching factor, where scale_by_muon calls it adamw_beta1)
   _checks.check_range("adam_b1", options["adam_b1"], 0.0, 1.0)
-  labels, dimension_numbers = from_layout(
-    options["layout"], options["labels"], options["dimension_numbers"]
-  )
-  arguments = dict(
-    options, layout=None, labels=labels, dimension_numbers=dimension_numbers
-  )
+  arguments = settings.routed_arguments(locals())
   direction = scale_by_muon(
     **settings.pick(settings.MuonDirectionOptions, arguments),
     adamw_beta1=options["adam_b1"],

@@ -147,10 +147,7 @@ def polargrad(
     >>> updates["hidden"].dtype == params["hidden"].dtype
     True
   """
-  arguments = settings.arguments_of(locals(), layout=None)
-  arguments["labels"], arguments["dimension_numbers"] = from_layout(
-    options["layout"], options["labels"], options["dimension_numbers"]
-  )
+  arguments = settings.routed_arguments(locals())
   direction = scale_by_polargrad(
     **settings.forward(scale_by_polargrad, arguments)
   )

@@ -332,6 +332,18 @@ def arguments_of(
   return {**values.pop("options"), **values, **overrides}
 
 
+def routed_arguments(local_values: Mapping[str, Any]) -> dict[str, Any]:
+  """An optimizer-level member's keywords (``arguments_of``), its
+  ``layout`` read into the labels and dimension numbers it routes by."""
+  arguments = arguments_of(local_values, layout=None)
+  arguments["labels"], arguments["dimension_numbers"] = from_layout(
+    local_values["options"]["layout"],
+    arguments["labels"],
+    arguments["dimension_numbers"],
+  )
+  return arguments
+
+
 def scaled_direction_arguments(
   local_values: Mapping[str, Any],
 ) -> tuple[dict[str, Any], Any]:
