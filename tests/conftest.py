@@ -227,6 +227,9 @@ def eo_steps(tx, case, inputs, turn):
 # fast tier does not: tests/find_repeats.py). The README's command runs both
 # tiers.
 
+# pyproject.toml's `timeout` is for the rest
+SLOW_TIMEOUT_SECONDS = 1800
+
 _MESH_PARAMETERS = ("mesh_shape",)
 _REPEATS = frozenset(
   line.strip()
@@ -306,3 +309,8 @@ def pytest_collection_modifyitems(config, items):
   for item in items:  # after the rule above, which the list was made under
     if item.nodeid in _REPEATS:
       _mark_repeat(item)
+  for item in items:  # the slow end-to-end runs take minutes by design
+    if item.get_closest_marker("slow") and not item.get_closest_marker(
+      "timeout"
+    ):
+      item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_SECONDS))

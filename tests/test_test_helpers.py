@@ -1,10 +1,14 @@
 """The suite's own helpers (conftest.py) do what they say."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import ROOT
 from conftest import gaussian
 from conftest import normal
 
@@ -74,3 +78,28 @@ def test_find_repeats_keeps_every_path_and_a_case_of_each_test():
     "t.py::g[b]",
     "t.py::p[a]",
   ]
+
+
+@pytest.mark.integration  # starts a pytest run with two workers
+def test_a_hung_test_is_ended_and_rerun_in_a_new_worker(tmp_path):
+  """pyproject.toml's timeout ends a test that does not return (as a worker
+  blocked in native code does not), and the rerun runs it again."""
+  (tmp_path / "test_hang.py").write_text(
+    "import pathlib, time\n"
+    "def test_hangs_the_first_time():\n"
+    f"  flag = pathlib.Path({str(tmp_path / 'ran')!r})\n"
+    "  if not flag.exists():\n"
+    "    flag.touch()\n"
+    "    time.sleep(600)\n"
+  )
+  run = subprocess.run(
+    [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml")]
+    + ["--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-n", "2"]
+    + ["-o", "timeout=5", str(tmp_path / "test_hang.py")],
+    capture_output=True,
+    text=True,
+    cwd=tmp_path,
+    timeout=120,
+  )
+  assert run.returncode == 0, run.stdout[-2000:]
+  assert "1 passed, 1 rerun" in run.stdout, run.stdout[-2000:]
