@@ -1,6 +1,7 @@
 """Test setup: 8 simulated CPU devices, set before jax is imported."""
 
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -28,6 +29,17 @@ import jax  # noqa: E402  (after the flags on purpose)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+# The fast tier compiles about four thousand small programs, most of them run
+# once: XLA's backend optimizations cost more than they save here (the fast
+# tier 4 min 4 s against 5 min 31 s, benchmarks/fast_tier.py). Set in this
+# process and its xdist workers only: the example runs, benchmark scripts and
+# processes the tests launch compile as users' programs do, and so do the
+# tests marked `xla_optimized` (the fixture below).
+# JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs every test optimized.
+if "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ:
+  jax.config.update("jax_disable_most_optimizations", True)
+UNOPTIMIZED = jax.config.values["jax_disable_most_optimizations"]
 
 ROOT = pathlib.Path(__file__).parents[1]
 DATA = ROOT / "tests" / "data"
@@ -69,13 +81,40 @@ def update_collectives(tx, tree, specs, mesh, optimized=True) -> dict:
   return _hlo.collective_bytes(lowered.compile().as_text())
 
 
+@contextlib.contextmanager
+def xla_optimized():
+  """Programs compiled inside are compiled with XLA's optimizations, as
+  users' programs are (conftest.py turns them off for the tests)."""
+  before = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.fixture(autouse=True)
+def _xla_optimized_marker(request):
+  """A test marked ``xla_optimized`` runs under ``xla_optimized()``: its
+  tolerance holds for the rounding XLA's optimizations give (LLVM fuses
+  multiply-adds) and not for the unoptimized one. jax keeps the executable a
+  function got first (``jax.random.normal`` called eagerly is one per
+  shape), so what a marked test compares must be compiled in the test; its
+  inputs, from ``normal``, are optimized whatever the test."""
+  if request.node.get_closest_marker("xla_optimized") is None:
+    yield
+    return
+  with xla_optimized():
+    yield
+
+
 _NORMALS: dict = {}
 
 
 def normal(key, shape, dtype=jnp.float32) -> jax.Array:
-  """``jax.random.normal(key, shape, dtype)``, bit for bit, without compiling
-  a program per shape (~1 s each on a CPU; the tests use hundreds of shapes).
-  Threefry draws are partitionable (jax's default since 0.5): entry ``i`` does
+  """``jax.random.normal(key, shape, dtype)`` as users' programs compile it
+  (optimized), bit for bit, without compiling a program per shape (~1 s each
+  on a CPU; the tests use hundreds of shapes). Threefry draws are partitionable (jax's default since 0.5): entry ``i`` does
   not depend on the draw's shape, so each draw is a prefix of one long draw
   from the same key, made once."""
   size = math.prod(shape)
@@ -89,8 +128,27 @@ def normal(key, shape, dtype=jnp.float32) -> jax.Array:
   )
   name = (np.asarray(data).tobytes(), jnp.dtype(dtype).name, long)
   if name not in _NORMALS:
-    _NORMALS[name] = np.asarray(jax.random.normal(key, (long,), dtype))
+    _NORMALS[name] = np.asarray(_long_normal(key, long, dtype))
   return jnp.asarray(_NORMALS[name][:size].reshape(shape))
+
+
+def _long_normal(key, long, dtype) -> jax.Array:
+  """``jax.random.normal(key, (long,), dtype)`` compiled as users' programs
+  are (jax.random keeps one executable per shape, so the draw's bits would
+  otherwise depend on whether a marked test made it first)."""
+  draw = _LONG_NORMALS.get((long, dtype, key.dtype, key.shape))
+  if draw is None:
+    with xla_optimized():
+      draw = (
+        jax.jit(lambda k: jax.random.normal(k, (long,), dtype))
+        .lower(key)
+        .compile()
+      )
+    _LONG_NORMALS[long, dtype, key.dtype, key.shape] = draw
+  return draw(key)
+
+
+_LONG_NORMALS: dict = {}
 
 
 def tp_mlp(rngs):

@@ -44,7 +44,20 @@ def _optimizer(case, dims):
 
 
 @pytest.mark.parametrize("orientation", EO_ORIENTATIONS)
-@pytest.mark.parametrize("case_id", sorted(CASES))
+@pytest.mark.parametrize(
+  "case_id",
+  [
+    # AdaMuon's tolerance (below) is EO's own float32 error, which XLA's
+    # unoptimized rounding exceeds (2.7e-2 at one entry of 48x32)
+    pytest.param(
+      case_id,
+      marks=pytest.mark.xla_optimized
+      if CASES[case_id]["method"] == "adamuon"
+      else (),
+    )
+    for case_id in sorted(CASES)
+  ],
+)
 def test_every_adaptive_muon_case_matches_eo(case_id, orientation):
   case = CASES[case_id]
   turn, dims = eo_orientation(orientation)

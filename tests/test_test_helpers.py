@@ -9,8 +9,17 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
+from conftest import UNOPTIMIZED
 from conftest import gaussian
 from conftest import normal
+from conftest import xla_optimized
+
+
+def random_normal(key, shape, dtype=jnp.float32):
+  """``jax.random.normal`` in a program of its own, compiled under this
+  test's setting (jax.random keeps the executable of the first call per
+  shape, which another test in the worker may have compiled unoptimized)."""
+  return jax.jit(lambda k: jax.random.normal(k, shape, dtype))(key)
 
 
 @pytest.mark.parametrize(
@@ -24,15 +33,16 @@ from conftest import normal
     ((4, 6), 4, jnp.complex64),
   ],
 )
+@pytest.mark.xla_optimized  # the draws users' programs make
 def test_gaussian_is_jax_random_normal_bit_for_bit(shape, seed, dtype):
   got = gaussian(shape, seed, dtype)
   if jnp.issubdtype(dtype, jnp.complexfloating):
     real, imag = jax.random.split(jax.random.key(seed))
     want = (
-      jax.random.normal(real, shape) + 1j * jax.random.normal(imag, shape)
+      random_normal(real, shape) + 1j * random_normal(imag, shape)
     ).astype(dtype)
   else:
-    want = jax.random.normal(jax.random.key(seed), shape, dtype)
+    want = random_normal(jax.random.key(seed), shape, dtype)
   assert got.shape == want.shape and got.dtype == want.dtype
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -42,11 +52,12 @@ def test_gaussian_is_jax_random_normal_bit_for_bit(shape, seed, dtype):
   [jax.random.split(jax.random.key(7))[1], jax.random.PRNGKey(2)],
   ids=["typed_split_key", "raw_prngkey"],
 )
+@pytest.mark.xla_optimized
 def test_normal_is_jax_random_normal_bit_for_bit_for_any_key(key):
   for shape in [(2, 2, 6), (40, 16), (3, 32, 8)]:
     np.testing.assert_array_equal(
       np.asarray(normal(key, shape)),
-      np.asarray(jax.random.normal(key, shape)),
+      np.asarray(random_normal(key, shape)),
     )
 
 
@@ -78,6 +89,21 @@ def test_find_repeats_keeps_every_path_and_a_case_of_each_test():
     "t.py::g[b]",
     "t.py::p[a]",
   ]
+
+
+def test_xla_optimized_nests_and_restores_the_setting_it_found():
+  setting = lambda: jax.config.values["jax_disable_most_optimizations"]
+  assert setting() == UNOPTIMIZED  # this test is not marked
+  with xla_optimized():
+    with xla_optimized():
+      assert setting() is False
+    assert setting() is False  # the inner one left the outer's
+  assert setting() == UNOPTIMIZED
+
+
+@pytest.mark.xla_optimized
+def test_the_marker_compiles_optimized():
+  assert jax.config.values["jax_disable_most_optimizations"] is False
 
 
 @pytest.mark.integration  # starts a pytest run with two workers
