@@ -108,15 +108,17 @@ def _xla_optimized_marker(request):
     yield
 
 
-_NORMALS: dict = {}
+_NORMALS: dict = {}  # the long draws, by key, dtype and length
+_LONG_NORMALS: dict = {}  # their programs, compiled optimized
 
 
 def normal(key, shape, dtype=jnp.float32) -> jax.Array:
   """``jax.random.normal(key, shape, dtype)`` as users' programs compile it
   (optimized), bit for bit, without compiling a program per shape (~1 s each
-  on a CPU; the tests use hundreds of shapes). Threefry draws are partitionable (jax's default since 0.5): entry ``i`` does
-  not depend on the draw's shape, so each draw is a prefix of one long draw
-  from the same key, made once."""
+  on a CPU; the tests use hundreds of shapes). Threefry draws are
+  partitionable (jax's default since 0.5): entry ``i`` does not depend on the
+  draw's shape, so each draw is a prefix of one long draw from the same key,
+  made once."""
   size = math.prod(shape)
   if not jax.config.jax_threefry_partitionable:
     return jax.random.normal(key, shape, dtype)
@@ -136,19 +138,15 @@ def _long_normal(key, long, dtype) -> jax.Array:
   """``jax.random.normal(key, (long,), dtype)`` compiled as users' programs
   are (jax.random keeps one executable per shape, so the draw's bits would
   otherwise depend on whether a marked test made it first)."""
-  draw = _LONG_NORMALS.get((long, dtype, key.dtype, key.shape))
-  if draw is None:
+  program = (long, dtype, key.dtype, key.shape)
+  if program not in _LONG_NORMALS:
     with xla_optimized():
-      draw = (
+      _LONG_NORMALS[program] = (
         jax.jit(lambda k: jax.random.normal(k, (long,), dtype))
         .lower(key)
         .compile()
       )
-    _LONG_NORMALS[long, dtype, key.dtype, key.shape] = draw
-  return draw(key)
-
-
-_LONG_NORMALS: dict = {}
+  return _LONG_NORMALS[program](key)
 
 
 def tp_mlp(rngs):
