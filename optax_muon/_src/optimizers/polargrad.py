@@ -25,7 +25,6 @@ from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.views import layout as layout_lib
-from optax_muon._src.views.layout import from_layout
 
 
 class PolarGradState(NamedTuple):
@@ -64,11 +63,8 @@ def scale_by_polargrad(
     Lau et al., `PolarGrad <https://arxiv.org/abs/2505.21799>`_, 2025
   """
   _checks.check_positive("extra_scale_factor", extra_scale_factor)
-  arguments = settings.arguments_of(locals(), layout=None)
-  _, dimension_numbers = from_layout(
-    options["layout"], None, options["dimension_numbers"]
-  )
-  arguments["dimension_numbers"] = dimension_numbers
+  arguments = settings.direction_arguments(locals())
+  dimension_numbers = arguments["dimension_numbers"]
   canonical_dtype("mu_dtype", options["mu_dtype"], quantized=True)
   momentum = settings.momentum_of(arguments)
   orthogonalize = settings.orthogonalize_of(arguments)

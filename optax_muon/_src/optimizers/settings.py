@@ -344,6 +344,16 @@ def routed_arguments(local_values: Mapping[str, Any]) -> dict[str, Any]:
   return arguments
 
 
+def direction_arguments(local_values: Mapping[str, Any]) -> dict[str, Any]:
+  """A direction's keywords (``arguments_of``), its ``layout`` read into its
+  dimension numbers."""
+  arguments = arguments_of(local_values, layout=None)
+  _, arguments["dimension_numbers"] = from_layout(
+    local_values["options"]["layout"], None, arguments["dimension_numbers"]
+  )
+  return arguments
+
+
 def scaled_direction_arguments(
   local_values: Mapping[str, Any],
 ) -> tuple[dict[str, Any], Any]:
@@ -352,13 +362,10 @@ def scaled_direction_arguments(
   ``layout`` read into its dimension numbers; and the factor after the
   shape scale (``extra_scale_factor``, or AdamW's RMS from
   ``adamw_beta1``)."""
-  arguments = arguments_of(local_values, layout=None)
   _checks.check_choice(
-    "scale_mode", arguments["scale_mode"], shape_scale.SCALE_MODES
+    "scale_mode", local_values["options"]["scale_mode"], shape_scale.SCALE_MODES
   )
-  _, arguments["dimension_numbers"] = from_layout(
-    local_values["options"]["layout"], None, arguments["dimension_numbers"]
-  )
+  arguments = direction_arguments(local_values)
   extra = scaling.resolve_extra_scale_factor(
     arguments["extra_scale_factor"],
     arguments["match_adamw_update_rms"],
