@@ -57,7 +57,9 @@ def describe(
   ``extra_scale_factor``, ``adam_b1``, ``sharding``, ``steps``,
   ``precision``, ``preconditioning`` and ``memory_budget`` are as in
   ``om.muon``; ``moment2_method`` as in ``om.adaptive_muon``. With
-  ``sharding``, the table says each Muon leaf's tensor-parallel mode and
+  ``sharding``, or params on a mesh with Explicit axes (whose types give
+  the sharding, as ``om.muon`` reads them without ``sharding=``), the
+  table says each Muon leaf's tensor-parallel mode and
   why: under ``mode="auto"`` each allowed mode's modeled time (the cost
   model of ``optax_muon._src.parallel.cost``, for the params' dtype).
 
@@ -117,8 +119,12 @@ def describe(
     reason = [reason_of.get(path, "—")] if layout is not None else []
     rows.append((path, leaf, role, label_of[path], view, *reason))
   modes_of = None
+  sharding_lib.check_sharding(sharding)
+  muon_pairs = _paths.leaves_with_paths(muon_only)[0]
+  sharding = sharding_lib.resolve(
+    sharding, [x for _, x in muon_pairs], [view_of[p] for p, _ in muon_pairs]
+  )
   if sharding is not None:
-    sharding_lib.check_sharding(sharding)
     waves.check_memory_budget(memory_budget)
     modes = _tp_modes(
       sharding,

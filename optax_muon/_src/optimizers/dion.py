@@ -87,6 +87,7 @@ def _check_settings(
     raise ValueError(f"seed={seed!r} is not accepted; accepted values: an int")
   _checks.check_choice("qr_method", qr_method, QR_METHODS)
   sharding_lib.check_sharding(sharding)
+  sharding_lib.check_bound("Dion", sharding)
   if sharding is not None and sharding.mode != "distributed":
     raise ValueError(
       f"sharding.mode={sharding.mode!r} is not accepted for Dion; accepted "

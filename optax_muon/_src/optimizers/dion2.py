@@ -63,10 +63,16 @@ def _check_selection(fraction, ef_decay, sharding, selection_scope) -> None:
   _checks.check_range("ef_decay", ef_decay, 0.0, 1.0 + 1e-12)
   _checks.check_choice("selection_scope", selection_scope, SELECTION_SCOPES)
   sharding_lib.check_sharding(sharding)
-  if sharding is not None and sharding.mode not in EXACT_MODES:
+  sharding_lib.check_bound("Dion2", sharding)
+  if sharding is not None and (
+    sharding.mode not in (*EXACT_MODES, "auto")
+    or (sharding.mode == "auto" and "blockwise" in sharding.auto_modes)
+  ):
     raise ValueError(
-      f"sharding.mode={sharding.mode!r} is not accepted for Dion2; accepted "
-      f"values: {list(EXACT_MODES)} (the selection is orthogonalized whole)"
+      f"sharding.mode={sharding.mode!r} (auto_modes={sharding.auto_modes}) "
+      f"is not accepted for Dion2; accepted values: "
+      f"{[*EXACT_MODES, 'auto']}, auto among exact modes only (the "
+      "selection is orthogonalized whole)"
     )
 
 

@@ -94,6 +94,7 @@ def plan(
     for group in (view.batch_axes, view.reduction_axes, view.output_axes)
   ):
     return None
+  assert isinstance(tp.mesh, jax.sharding.Mesh)  # dion.check_bound
   return DistributedLeaf(tuple(spec), view, tp.mesh)
 
 

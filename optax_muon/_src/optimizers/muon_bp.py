@@ -14,8 +14,10 @@ with each step's shape scale that of what it orthogonalized (the block's
 shape on block steps, the matrix's on full steps: the two RMS-matched step
 sizes). A block step is ``TensorParallel(mode="blockwise")``'s update, a
 full step the exact mode the sharding names; both read and write the same
-state, so only the step counter is added. Without sharding, or with one
-block per matrix, every step is Muon's.
+state, so only the step counter is added. Without ``sharding=`` the blocks
+are the shards that the params' types name on a mesh with Explicit axes
+(the full steps' mode then ``"auto"``); for arrays on no such mesh, or with
+one block per matrix, every step is Muon's.
 """
 
 import dataclasses
@@ -27,6 +29,7 @@ import optax
 
 from optax_muon._src.optimizers import muon as alias
 from optax_muon._src.parallel.tensor_parallel import EXACT_MODES
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
 
 
 class MuonBPState(NamedTuple):
@@ -89,7 +92,7 @@ def muon_bp(
     **muon_kwargs: the other arguments of ``om.muon`` (``sharding``,
       ``layout``, ``labels``, ``weight_decay``, ``adam_*``, ...);
       ``sharding`` names the full steps' mode, one of the exact modes (or
-      ``"auto"``).
+      ``"auto"``); without it, the params' types give the blocks.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -123,8 +126,10 @@ def muon_bp(
       f"{[*EXACT_MODES, 'auto']} (its block steps are blockwise)"
     )
   full = alias.muon(learning_rate, **muon_kwargs)
-  if sharding is None:
-    return alternate(full, full, 1)
-  blockwise = dataclasses.replace(sharding, mode="blockwise")
+  # without sharding=, the blocks are the shards the params' types name
+  # (none for arrays on no Explicit mesh: then a block step is Muon's)
+  blockwise = dataclasses.replace(
+    sharding or TensorParallel(mesh=None), mode="blockwise"
+  )
   block = alias.muon(learning_rate, **dict(muon_kwargs, sharding=blockwise))
   return alternate(full, block, period)

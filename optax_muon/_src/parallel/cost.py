@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 from optax_muon._src.parallel import allgather
 from optax_muon._src.parallel import fsdp
+from optax_muon._src.parallel import rates as rates_lib
 from optax_muon._src.parallel import waves
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.tensor_parallel import local_shape
@@ -128,7 +129,7 @@ def mode_costs(
   rates = tp.resolved_rates()
   if rates is None:
     raise ValueError(
-      f"no DeviceRates for {tp.mesh.devices.flat[0].device_kind!r}; pass "
+      f"no DeviceRates for {rates_lib.device_kind(tp.mesh)!r}; pass "
       "TensorParallel(rates=om.DeviceRates(...))"
     )
   flop_rate = rates.matmul_flops(precision)
@@ -136,7 +137,7 @@ def mode_costs(
   tp_dim = tp_dim_of(view, spec, tp)
   count = fsdp.local_count(view, spec, tp)
   spread = (
-    tp.mesh.shape[tp.distribute_over]
+    tp.bound_mesh.shape[tp.distribute_over]
     if fsdp.splits_over_data(view, spec, tp)
     else 1
   )

@@ -71,7 +71,7 @@ def moves(view: layout.MatrixView, spec, tp: TensorParallel) -> list:
   the order they apply (see ``FsdpMove``: a batch axis the mesh axis
   divides is preferred, then the longest)."""
   local = [
-    size // math.prod(tp.mesh.shape[n] for n in names)
+    size // math.prod(tp.bound_mesh.shape[n] for n in names)
     for size, names in zip(view.shape, spec)
   ]
   moves = []
@@ -84,7 +84,7 @@ def moves(view: layout.MatrixView, spec, tp: TensorParallel) -> list:
           f"a matrix axis sharded over {spec[dim]} together is not "
           "supported; shard it over the tensor-parallel axis alone"
         )
-      size = tp.mesh.shape[name]
+      size = tp.bound_mesh.shape[name]
       home = _home_for(local, view.batch_axes, size)
       if home is None:
         moves.append(FsdpMove(name, dim))
@@ -113,12 +113,12 @@ def local_count(view: layout.MatrixView, spec, tp: TensorParallel) -> int:
   """The matrices of a leaf one device orthogonalizes once ``moves``
   applied (zero padding included)."""
   local = {
-    a: view.shape[a] // math.prod(tp.mesh.shape[n] for n in spec[a])
+    a: view.shape[a] // math.prod(tp.bound_mesh.shape[n] for n in spec[a])
     for a in view.batch_axes
   }
   for move in moves(view, spec, tp):
     if move.home is not None:
-      local[move.home] = move.padded // tp.mesh.shape[move.name]
+      local[move.home] = move.padded // tp.bound_mesh.shape[move.name]
   return math.prod(local.values())
 
 

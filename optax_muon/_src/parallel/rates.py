@@ -85,9 +85,18 @@ KNOWN_RATES = {
 }
 
 
-def rates_of(mesh: jax.sharding.Mesh) -> DeviceRates | None:
+def device_kind(mesh) -> str:
+  """The ``device_kind`` of a mesh's devices (a concrete mesh, or the
+  abstract one of a traced array's type)."""
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    device = mesh.abstract_device
+    return "unknown" if device is None else device.device_kind
+  return mesh.devices.flat[0].device_kind
+
+
+def rates_of(mesh) -> DeviceRates | None:
   """The rates of the mesh's devices by their ``device_kind``, or None."""
-  kind = mesh.devices.flat[0].device_kind
+  kind = device_kind(mesh)
   for prefix, rates in KNOWN_RATES.items():
     if kind.startswith(prefix):
       return rates

@@ -66,7 +66,10 @@ class TensorParallel:
   """How Muon's orthogonalization runs over a ``jax.sharding.Mesh``.
 
   Attributes:
-    mesh: the mesh the params are sharded over.
+    mesh: the mesh the params are sharded over; ``None``: the mesh their
+      types carry (jax's Explicit axes), read when the transform is applied
+      (``bind``), with each leaf's spec and, when ``axis`` is not one of
+      that mesh's axes, the axis that splits the most matrix elements.
     axis: the tensor-parallel mesh axis.
     mode: ``"blockwise"``, ``"duplicated"``, ``"distributed"``,
       ``"allgather"`` or ``"auto"`` (see the module docstring).
@@ -82,7 +85,7 @@ class TensorParallel:
   """
 
   MODES: ClassVar[tuple[str, ...]] = MODES
-  mesh: jax.sharding.Mesh
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None
   axis: str = "model"
   mode: types.TensorParallelMode = "duplicated"
   specs: Any = None
@@ -91,9 +94,16 @@ class TensorParallel:
   rates: rates_lib.DeviceRates | None = None
 
   def __post_init__(self):
-    if not isinstance(self.mesh, jax.sharding.Mesh):
+    _checks.check_choice("sharding.mode", self.mode, MODES)
+    if self.mesh is None:  # checked against the types' mesh by ``bind``
+      self._check_auto()
+      return
+    if not isinstance(
+      self.mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)
+    ):
       raise ValueError(
-        f"sharding.mesh must be a jax.sharding.Mesh, got {self.mesh!r}"
+        f"sharding.mesh must be a jax.sharding.Mesh, or None to read it "
+        f"from the params' types, got {self.mesh!r}"
       )
     names = list(self.mesh.axis_names)
     if self.axis not in names:
@@ -101,7 +111,6 @@ class TensorParallel:
         f"sharding.axis={self.axis!r} is not a mesh axis; "
         f"accepted values: {names}"
       )
-    _checks.check_choice("sharding.mode", self.mode, MODES)
     if self.distribute_over is not None and (
       self.distribute_over not in names or self.distribute_over == self.axis
     ):
@@ -132,8 +141,12 @@ class TensorParallel:
         f"sharding.rates={self.rates!r} is not accepted; accepted values: "
         "None (the mesh's device kind) or optax_muon.DeviceRates(...)"
       )
-    if self.mode == "auto" and self.resolved_rates() is None:
-      kind = self.mesh.devices.flat[0].device_kind
+    if (
+      self.mode == "auto"
+      and self.mesh is not None
+      and self.resolved_rates() is None
+    ):
+      kind = rates_lib.device_kind(self.mesh)
       raise ValueError(
         f"sharding.mode='auto' models each mode's time at the device's "
         f"rates, and device kind {kind!r} has none in om.KNOWN_RATES "
@@ -147,15 +160,32 @@ class TensorParallel:
     return self.rates or rates_lib.rates_of(self.mesh)
 
   @property
+  def bound_mesh(self) -> jax.sharding.Mesh | jax.sharding.AbstractMesh:
+    """``mesh``, once ``bind`` has read it from the types."""
+    if self.mesh is None:
+      raise ValueError(
+        "this TensorParallel reads its mesh from the params' types; "
+        "bind it to them first (TensorParallel.bind)"
+      )
+    return self.mesh
+
+  @property
   def size(self) -> int:
-    return self.mesh.shape[self.axis]
+    return self.bound_mesh.shape[self.axis]
 
   def knows_leaf_specs(self) -> bool:
     """Whether ``leaf_specs`` can answer: ``specs`` were given, or every mesh
     axis is Explicit (the arrays' types carry their specs)."""
-    return self.specs is not None or all(
-      t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types
+    return self.specs is not None or (
+      self.mesh is not None and _all_explicit(self.mesh)
     )
+
+  def bind(self, leaves, views) -> "TensorParallel | None":
+    """This setting with its mesh and axis read from ``leaves``' types when
+    ``mesh`` is None (see ``from_types``); itself when it has a mesh."""
+    if self.mesh is not None:
+      return self
+    return from_types(leaves, views, self)
 
   def leaf_specs(self, tree) -> list[tuple]:
     """Each leaf's spec as a tuple of mesh-axis tuples, one per array axis."""
@@ -197,12 +227,12 @@ class TensorParallel:
         else tuple(entry)
       )
       for name in axes:
-        if name not in self.mesh.axis_names:
+        if name not in self.bound_mesh.axis_names:
           raise ValueError(
             f"sharding spec {spec} of {where} names {name!r}, "
-            f"not an axis of the mesh {list(self.mesh.axis_names)}"
+            f"not an axis of the mesh {list(self.bound_mesh.axis_names)}"
           )
-      parts = math.prod(self.mesh.shape[a] for a in axes)
+      parts = math.prod(self.bound_mesh.shape[a] for a in axes)
       if dim % parts:
         raise ValueError(
           f"{where}: dimension {dim} is sharded {parts} ways by "
@@ -210,6 +240,108 @@ class TensorParallel:
         )
       entries.append(axes)
     return tuple(entries)
+
+
+def _all_explicit(mesh) -> bool:
+  return all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+def types_mesh(leaves) -> jax.sharding.AbstractMesh | None:
+  """The mesh that ``leaves``' types carry (jax's Explicit sharding), or
+  None when no leaf's type names a mesh axis.
+
+  Raises:
+    ValueError: leaves typed on two different meshes, or on a mesh whose
+      axes are partly Auto (their shardings are not in the types).
+  """
+  meshes = []
+  for leaf in leaves:
+    sharding = getattr(jax.typeof(leaf), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if (
+      mesh is None
+      or mesh.empty
+      or jax.sharding.AxisType.Explicit not in mesh.axis_types
+    ):
+      continue
+    if mesh not in meshes:
+      meshes.append(mesh)
+  if not meshes:
+    return None
+  if len(meshes) > 1:
+    raise ValueError(
+      f"the params' types carry {len(meshes)} different meshes "
+      f"({', '.join(map(str, meshes))}); Muon reads one mesh from the types: "
+      "place every param on the same mesh, or pass sharding="
+      "om.TensorParallel(mesh, specs=...)"
+    )
+  (mesh,) = meshes
+  if not _all_explicit(mesh):
+    raise ValueError(
+      f"the params' mesh {mesh} mixes Explicit and Auto axes, so the "
+      "params' types do not say how they are split over its Auto axes; "
+      "make every axis Explicit (jax.make_mesh(..., axis_types=...)) or "
+      "pass sharding=om.TensorParallel(mesh, specs=...)"
+    )
+  return mesh
+
+
+def from_types(
+  leaves, views, template: "TensorParallel | None" = None
+) -> "TensorParallel | None":
+  """The ``TensorParallel`` the Muon ``leaves``' types describe, or None
+  when they carry no Explicit mesh (each device then works on what it holds,
+  as without a mesh).
+
+  The mesh and each leaf's spec are the types'. The tensor-parallel axis is
+  ``template.axis`` when that mesh has it (``"model"`` by default), else the
+  mesh axis that splits a matrix axis (fan-in or fan-out) of the most
+  elements, the later mesh axis on a tie (the innermost, as Megatron and
+  MaxText lay out TP); every other axis splitting a matrix is gathered for
+  Newton–Schulz as FSDP's data axis is. Without a ``template`` (the
+  ``sharding=None`` default) the mode is ``"auto"`` over the exact modes, so
+  the numbers equal the unsharded update's, or ``"duplicated"`` where the
+  devices' kind has no known rates (``om.KNOWN_RATES``).
+  """
+  mesh = types_mesh(leaves)
+  if mesh is None:
+    return None
+  if template is None:
+    template = TensorParallel(mesh=None, mode="auto")
+    if rates_lib.rates_of(mesh) is None:
+      template = dataclasses.replace(template, mode="duplicated")
+  axis = template.axis
+  if axis not in mesh.axis_names:
+    split = dict.fromkeys(mesh.axis_names, 0)
+    for leaf, view in zip(leaves, views):
+      spec = tuple(jax.typeof(leaf).sharding.spec)
+      for dim in view.reduction_axes + view.output_axes:
+        entry = spec[dim] if dim < len(spec) else None
+        for name in (entry,) if isinstance(entry, str) else entry or ():
+          split[name] += math.prod(view.shape)
+    axis = max(reversed(mesh.axis_names), key=lambda name: split[name])
+  return dataclasses.replace(template, mesh=mesh, axis=axis)
+
+
+def resolve(sharding: "TensorParallel | None", leaves, views):
+  """The ``TensorParallel`` that runs ``leaves``: ``sharding`` bound to
+  their types (``TensorParallel.bind``), or for ``None`` the one their types
+  describe (``from_types``); None where neither names a mesh."""
+  if sharding is None:
+    return from_types(leaves, views)
+  return sharding.bind(leaves, views)
+
+
+def check_bound(member: str, sharding: "TensorParallel | None") -> None:
+  """Raises for a ``sharding`` without a mesh given to ``member``, whose
+  scheme places its own state on the mesh it is given."""
+  if sharding is not None and not isinstance(sharding.mesh, jax.sharding.Mesh):
+    raise ValueError(
+      f"sharding.mesh={sharding.mesh!r} is not accepted for {member}; "
+      "accepted values: "
+      "a jax.sharding.Mesh, or sharding=None, which reads a mesh with "
+      "Explicit axes from the params' types"
+    )
 
 
 def check_sharding(sharding) -> None:

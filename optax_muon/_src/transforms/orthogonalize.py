@@ -23,6 +23,7 @@ from optax_muon._src.parallel import sharded
 from optax_muon._src.parallel import waves
 from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
+from optax_muon._src.parallel.tensor_parallel import resolve
 from optax_muon._src.views.matrix_views import Views
 
 
@@ -68,7 +69,10 @@ def orthogonalize(
       for every leaf, a tree of them, or a callable of the params.
     split_qkv: ``None``, a ``SplitQKV``, a tree of them or a callable.
     split_gate_up: ``None``, a ``SplitGateUp``, a tree of them or a callable.
-    sharding: ``None``, or a ``TensorParallel`` to run over a mesh.
+    sharding: a ``TensorParallel`` to run over a mesh; ``None``: the mesh
+      and specs the leaves' types carry where they are on a mesh with
+      Explicit axes (``tensor_parallel.from_types``: ``mode="auto"`` over the
+      exact modes), else each device works on what it holds.
     eps: floor of the norm used to normalize.
     preconditioning: how each matrix is scaled before the iteration:
       ``"frobenius"`` (default), ``"spectral"``, ``"aol"`` or ``"schatten"``
@@ -154,9 +158,13 @@ def orthogonalizer(
       )
 
   def init_fn(params):
-    check_dtypes(views(params))  # bad layouts or dtypes raise here
-    if sharding is not None and sharding.knows_leaf_specs():
-      sharding.leaf_specs(params)  # and bad specs here
+    viewed = views(params)
+    check_dtypes(viewed)  # bad layouts or dtypes raise here
+    tp = resolve(
+      sharding, [leaf for _, leaf, _ in viewed], [v for _, _, v in viewed]
+    )
+    if tp is not None and tp.knows_leaf_specs():
+      tp.leaf_specs(params)  # and bad specs here
     return optax.EmptyState()
 
   def run(updates, states=None, step=None):
@@ -168,12 +176,13 @@ def orthogonalizer(
     check_dtypes(viewed)
     leaves = [leaf for _, leaf, _ in viewed]
     treedef = jax.tree.structure(updates)
-    if sharding is not None:
+    tp = resolve(sharding, leaves, [view for _, _, view in viewed])
+    if tp is not None:
       out = sharded.orthogonalize_sharded(
         leaves,
         [view for _, _, view in viewed],
-        sharding,
-        sharding.leaf_specs(updates),
+        tp,
+        tp.leaf_specs(updates),
         solver,
         # None: auto's choice by time alone (parallel.cost)
         execution.memory_budget,

@@ -76,11 +76,16 @@ def scale_by_shape(
     del params
     views = [view for _, _, view in resolve_views(updates)]
     local_views = views
-    if sharding is not None and "blockwise" in possible_modes(sharding):
+    tp = (
+      None
+      if sharding is None
+      else sharding.bind(jax.tree.leaves(updates), views)
+    )
+    if tp is not None and "blockwise" in possible_modes(tp):
       # blockwise orthogonalizes each shard alone: scale by the shard's shape
-      specs = sharding.leaf_specs(updates)
+      specs = tp.leaf_specs(updates)
       modes = cost.leaf_modes(
-        sharding,
+        tp,
         views,
         specs,
         [jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(updates)],
@@ -91,7 +96,7 @@ def scale_by_shape(
       )
       local_views = [
         sharding_lib.local_view(
-          view, sharding_lib.local_shape(view.shape, spec, sharding)
+          view, sharding_lib.local_shape(view.shape, spec, tp)
         )
         if mode == "blockwise"
         else view
