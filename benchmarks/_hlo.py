@@ -27,9 +27,12 @@ _BYTES = {
   "pred": 1,
 }
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+# the computations an instruction runs: loops, calls, reductions, and the
+# branches of a conditional (the TPU compiler writes branch_computations=,
+# the GPU compiler true_computation= / false_computation=)
 _CALLEE = re.compile(
-  r"(body|condition|calls|to_apply|branch_computations)="
-  r"(\{[^}]*\}|%?[\w.\-]+)"
+  r"(body|condition|calls|to_apply|branch_computations|true_computation"
+  r"|false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
 )
 
 
@@ -82,6 +85,8 @@ def collective_bytes(hlo: str) -> dict:
   callers: dict = {}
   for name, lines in bodies.items():
     for line in lines:
+      if " async-done(" in line:  # its start already runs what it wraps
+        continue
       condition = re.search(r"condition=%?([\w.\-]+)", line)
       for kind, targets in _CALLEE.findall(line):
         for target in re.findall(r"%?([\w.\-]+)", targets):
@@ -104,37 +109,14 @@ def collective_bytes(hlo: str) -> dict:
       continue
     for line in lines:
       for kind in COLLECTIVES:
-        match = re.search(rf"= (.+?) {kind}(-start)?\(", line)
-        if match:
-          totals[kind] += _array_bytes(_results(match.group(1))) * times
+        # an asynchronous pair is read once, from its done, whose type is
+        # the results: a start's type also holds its operands (the GPU
+        # compiler writes ``((operands), results)`` or ``((operands),
+        # (results))``)
+        match = re.search(rf"= (.+?) {kind}(-start|-done)?\(", line)
+        if match and match.group(2) != "-start":
+          totals[kind] += _array_bytes(match.group(1)) * times
   return totals
-
-
-def _top_level(text: str) -> list[str]:
-  """The elements of a tuple type ``(a, b, ...)``, split at depth one."""
-  parts, depth, start = [], 0, 1
-  for i, char in enumerate(text):
-    if char in "({[":
-      depth += 1
-    elif char in ")}]":
-      depth -= 1
-    elif char == "," and depth == 1:
-      parts.append(text[start:i].strip())
-      start = i + 1
-  parts.append(text[start:-1].strip())
-  return parts
-
-
-def _results(shape_text: str) -> str:
-  """The results of a collective's type: an asynchronous start's type on the
-  GPU is ``((operands...), (results...))``, of which the results move; any
-  other type is counted whole."""
-  if not shape_text.startswith("(("):
-    return shape_text
-  parts = _top_level(shape_text)
-  if len(parts) == 2 and all(p.startswith("(") for p in parts):
-    return parts[1]
-  return shape_text
 
 
 def host_bytes(hlo: str) -> tuple[int, int]:

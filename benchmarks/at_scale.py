@@ -25,19 +25,25 @@ each kernel one ``[L, in, out]`` leaf as ``nn.scan`` / MaxText's
 ``scan_layers=True`` do; ``--fsdp matrix`` also shards each kernel's other
 matrix axis over ``data`` (MaxText's FSDP), ``--fsdp layers`` a stack's
 layer axis, with ``--mesh 8x8`` on ``--target tpu-v5p-64`` (64 chips) or
-``h100-64`` (eight hosts of eight); ``--model shapes.json`` reads a user's own tree:
-``{"path/to/leaf": [[shape...], "muon"|"adam", [spec entries...]]}`` (dump
-one with ``jax.eval_shape`` and your partition specs).
+``h100-64`` (eight hosts of eight); ``--model deepseek-v3[:LAYERS]`` a
+DeepSeek-V3-shaped tree; ``--model shapes.json`` reads a user's own tree:
+``{"path/to/leaf": [[shape...], "muon"|"adam", [spec entries...]]}`` (one
+entry per axis), and ``--model module:function`` a function of no arguments
+returning ``(params, specs)`` (``jax.eval_shape`` of your init and its
+``PartitionSpec``s; labels from ``om.default_labels``). A malformed tree
+exits 2 naming its path; ``--stacked``, ``--layers`` and ``--fsdp`` apply
+to the Llama models only.
 
 For each ``tp_mode`` (``--mesh 1x1``: one device, ``om.muon`` without
 ``sharding``) and for ``optax.contrib.muon`` under GSPMD it prints a table
 row (GiB per device: params + grads + state, the update's temporaries, their
-total, whether it fits an 80 GB part, collectives by kind), and with
+total, whether it fits the target's part: 80 GB, 95 GB on TPU v5p, 141 GB on
+H200, 192 GB on B200; collectives by kind), and with
 ``--json`` a JSON line instead: per device the params, grads and state bytes, the compiler's
 argument, output and temporary bytes, the collective bytes by kind (loop
 bodies counted trip-count times), compile seconds, and whether params +
-grads + device-resident state + temp fit an 80 GB, a 95 GB (v5p) and a
-141 GB part (``fits``), and the ratio of each mode's collective bytes to
+grads + device-resident state + temp fit an 80 GB, a 95 GB (v5p), a
+141 GB and a 192 GB part (``fits``; ``part``: the target's), and the ratio of each mode's collective bytes to
 ``duplicated``'s. ``--momentum 8bit`` stores Muon's momentum as
 ``om.QuantizedMomentum`` (blocks of up to 256 that divide every shard);
 ``--offload`` keeps the whole state in pinned host
@@ -113,7 +119,23 @@ TARGETS = {
   # eight hosts of eight GPUs for the -64 targets
   **{t: "1x1x8" if t.endswith("-8") else "1x8x8" for t in GPU_TARGETS},
 }
-PARTS_GIB = {"80GB": 80e9 / 2**30, "95GB": 95.74, "141GB": 141e9 / 2**30}
+PARTS_GIB = {
+  "80GB": 80e9 / 2**30,
+  "95GB": 95.74,
+  "141GB": 141e9 / 2**30,
+  "192GB": 192e9 / 2**30,
+}
+
+
+def part_of(target: str) -> str:
+  """The memory part of a target's device, which the table's fit column
+  reads (A100/H100: 80 GB, TPU v5p: 95, H200: 141, B200: 192; this
+  machine's devices and the CPU: 80)."""
+  if target.startswith("tpu-v5p"):
+    return "95GB"
+  return {"h200": "141GB", "b200": "192GB"}.get(target.split("-")[0], "80GB")
+
+
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 GIB = 2**30
 
@@ -214,13 +236,109 @@ def deepseek_tree(layers: int | None = None):
   return tree
 
 
+LABELS = ("muon", "adam")
+MESH_AXES = ("data", "model")
+
+
+def check_tree(raw, source: str) -> dict:
+  """``raw`` as a flat tree ``{path: (shape, label, spec)}``, each entry
+  checked; ``ValueError`` naming ``source`` and the path of the first entry
+  that is not ``[[shape...], "muon"|"adam", [spec entries...]]`` with a spec
+  entry per axis, each None, a mesh axis or a list of them."""
+  if not isinstance(raw, dict) or not raw:
+    raise ValueError(
+      f"{source} is not a non-empty JSON object of "
+      '{"path/to/leaf": [[shape...], "muon"|"adam", [spec entries...]]}'
+    )
+  flat = {}
+  for path, entry in raw.items():
+    where = f"{source}: leaf {path!r}"
+    if not (isinstance(entry, (list, tuple)) and len(entry) == 3):
+      raise ValueError(
+        f"{where} is {entry!r}, not [[shape...], label, [spec entries...]]"
+      )
+    shape, label, spec = entry
+    if not (
+      isinstance(shape, (list, tuple))
+      and shape
+      and all(isinstance(d, int) and d >= 1 for d in shape)
+    ):
+      raise ValueError(f"{where}: shape {shape!r} is not a list of ints >= 1")
+    if label not in LABELS:
+      raise ValueError(
+        f"{where}: label {label!r} is not accepted; accepted: {list(LABELS)}"
+      )
+    if label == "muon" and len(shape) < 2:
+      raise ValueError(f"{where}: a Muon leaf needs 2 or more axes: {shape}")
+    if not isinstance(spec, (list, tuple)) or len(spec) != len(shape):
+      raise ValueError(
+        f"{where}: spec {spec!r} needs one entry per axis of shape {shape} "
+        "(None for an axis not sharded)"
+      )
+    for axis in spec:
+      names = [axis] if axis is None or isinstance(axis, str) else axis
+      if not isinstance(names, (list, tuple)) or any(
+        n is not None and n not in MESH_AXES for n in names
+      ):
+        raise ValueError(
+          f"{where}: spec entry {axis!r} names no mesh axis; accepted: None, "
+          f"{list(MESH_AXES)} or a list of them"
+        )
+    flat[path] = (
+      tuple(shape),
+      label,
+      tuple(tuple(a) if isinstance(a, list) else a for a in spec),
+    )
+  return flat
+
+
 def read_tree(path):
   with open(path) as f:
-    raw = json.load(f)
-  return {
-    k: (tuple(shape), label, tuple(spec))
-    for k, (shape, label, spec) in raw.items()
-  }
+    try:
+      raw = json.load(f)
+    except json.JSONDecodeError as error:
+      raise ValueError(f"{path} is not JSON: {error}") from None
+  return check_tree(raw, path)
+
+
+def tree_from_function(text: str) -> dict:
+  """The flat tree of ``module:function``: the function returns ``(params,
+  specs)``, a tree of arrays or ``jax.ShapeDtypeStruct``s and a tree of
+  ``PartitionSpec``s like it (a prefix allowed, as ``jax.jit`` takes); the
+  labels are ``om.default_labels``'."""
+  import importlib  # noqa: PLC0415
+
+  module_name, _, function_name = text.partition(":")
+  if os.getcwd() not in sys.path:  # the user's module, from where they are
+    sys.path.insert(0, os.getcwd())
+  try:
+    function = getattr(importlib.import_module(module_name), function_name)
+  except (ImportError, AttributeError) as error:
+    raise ValueError(f"{text}: {error}") from None
+  try:
+    params, specs = function()
+  except (TypeError, ValueError) as error:
+    raise ValueError(
+      f"{text}() must return (params, specs) and take no arguments: {error}"
+    ) from None
+  labels = om.default_labels(params)
+  flat_specs = jax.tree_util.tree_flatten_with_path(
+    jax.tree.broadcast(specs, params, is_leaf=lambda x: isinstance(x, P))
+  )[0]
+  raw = {}
+  for (path, leaf), label, (_, spec) in zip(
+    jax.tree_util.tree_flatten_with_path(params)[0],
+    jax.tree.leaves(labels),
+    flat_specs,
+  ):
+    name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    entries = list(spec) + [None] * (len(leaf.shape) - len(spec))
+    raw[name] = [
+      list(leaf.shape),
+      "adam" if label != "muon" else label,
+      entries,
+    ]
+  return check_tree(raw, text)
 
 
 def nest(flat: dict) -> dict:
@@ -535,8 +653,19 @@ def mesh_arg(text: str) -> tuple[int, int]:
   return dp, tp
 
 
+MODEL_HELP = (
+  f"one of {sorted(MODELS)}; deepseek-v3 or deepseek-v3:LAYERS (at least 2); "
+  'a .json tree, {"path/to/leaf": [[shape...], "muon"|"adam", '
+  '[spec entry per axis: null, "data", "model" or a list]]}; or '
+  "module:function, a function of no arguments returning (params, specs): "
+  "abstract params (jax.eval_shape of your init) and their PartitionSpecs, "
+  "labelled by om.default_labels (default: llama3-8b)"
+)
+
+
 def model_arg(text: str) -> str:
-  """A model name or a ``.json`` tree that exists (argparse type)."""
+  """A model name, a ``.json`` tree that exists or ``module:function``
+  (argparse type)."""
   if text in MODELS or (text.endswith(".json") and os.path.isfile(text)):
     return text
   name, _, layers = text.partition(":")
@@ -544,10 +673,10 @@ def model_arg(text: str) -> str:
     not layers or (layers.isdigit() and int(layers) >= 2)
   ):
     return text
+  if name != "deepseek-v3" and layers.isidentifier() and name:
+    return text
   raise argparse.ArgumentTypeError(
-    f"{text!r} is not a model; accepted: {sorted(MODELS)}, deepseek-v3 or "
-    "deepseek-v3:LAYERS (at least 2), or a .json tree file that exists (see "
-    "the module docstring for its format)"
+    f"{text!r} is not a model; accepted: {MODEL_HELP}"
   )
 
 
@@ -581,15 +710,15 @@ def _flops_cell(r: dict) -> str:
   return f"{formula_tflop} / {'—' if compiled is None else f'{compiled:.3g}'}"
 
 
-def table(records: dict) -> str:
-  """The records as an aligned table (GiB per device), then what is and is
-  not counted."""
+def table(records: dict, part: str = "80GB") -> str:
+  """The records as an aligned table (GiB per device; fits: against
+  ``part``), then what is and is not counted."""
   header = (
     "mode",
     "params+grads+state",
     "temp",
     "total",
-    f"fits 80 GB ({PARTS_GIB['80GB']:.1f} GiB)",
+    f"fits {part[:-2]} GB ({PARTS_GIB[part]:.1f} GiB)",
     "collectives (GiB, by kind)",
     "NS TFLOP formula / cost_analysis",
     "modeled ms",
@@ -613,7 +742,7 @@ def table(records: dict) -> str:
         gib(r["pgs_gib"]),
         gib(r["temp_gib"]),
         gib(r["resident_gib"]),
-        "yes" if r["fits"]["80GB"] else "no",
+        "yes" if r["fits"][part] else "no",
         kinds or "none",
         _flops_cell(r),
         f"{r['modeled_ms']:.1f}" if "modeled_ms" in r else "—",
@@ -682,16 +811,14 @@ def main(argv=None):
   parser = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
     epilog=(
-      f"Models: {', '.join(sorted(MODELS))}, or a .json tree. One GPU: "
+      f"Models: {', '.join(sorted(MODELS))}, deepseek-v3[:LAYERS], a .json "
+      "tree or module:function (see --model). One GPU: "
       "--target gpu --mesh 1x1. Prints a table (GiB per device); --json "
       "prints one JSON line per mode instead. " + NOT_COUNTED
     ),
   )
   parser.add_argument(
-    "--model",
-    default="llama3-8b",
-    type=model_arg,
-    help=f"one of {sorted(MODELS)} or a .json tree (default: llama3-8b)",
+    "--model", default="llama3-8b", type=model_arg, help=MODEL_HELP
   )
   parser.add_argument(
     "--mesh",
@@ -782,15 +909,31 @@ def main(argv=None):
       "argument --fsdp: layers shards a stack's layer axis: add --stacked"
     )
   dp, tp = args.mesh
-  if args.model.endswith(".json"):
-    flat = read_tree(args.model)
-  elif args.model.startswith("deepseek-v3"):
-    if args.fsdp != "none":
-      parser.error("argument --fsdp: deepseek-v3 shards its experts over data")
-    layers = args.model.partition(":")[2]
-    flat = deepseek_tree(int(layers) if layers else None)
-  else:
-    flat = llama_tree(args.model, args.stacked, args.layers, args.fsdp)
+  if (
+    args.model not in MODELS
+  ):  # a tree of its own: the Llama flags do not apply
+    for flag, given in (
+      ("--stacked", args.stacked),
+      ("--layers", args.layers is not None),
+      ("--fsdp", args.fsdp != "none"),
+    ):
+      if given:
+        parser.error(
+          f"argument {flag}: applies to the Llama models {sorted(MODELS)}, "
+          f"not to --model {args.model} (whose tree says its own layout)"
+        )
+  try:
+    if args.model.endswith(".json"):
+      flat = read_tree(args.model)
+    elif args.model.startswith("deepseek-v3"):
+      layers = args.model.partition(":")[2]
+      flat = deepseek_tree(int(layers) if layers else None)
+    elif args.model in MODELS:
+      flat = llama_tree(args.model, args.stacked, args.layers, args.fsdp)
+    else:
+      flat = tree_from_function(args.model)
+  except ValueError as error:
+    parser.error(f"argument --model: {error}")
   try:
     mesh = make_mesh(args.target, dp, tp)
   except ValueError as error:
@@ -813,6 +956,13 @@ def main(argv=None):
     modes = [m for m in modes if m != "optax.contrib.muon"]
   if args.momentum == "8bit":  # Dion2's and Dion's momenta: float sums
     modes = [m for m in modes if m not in FLOAT_SUM_MODES]
+  if not modes:
+    parser.error(
+      f"argument --modes: none of {args.modes} takes --momentum "
+      f"{args.momentum}{' --offload' if args.offload else ''} "
+      f"(optax.contrib.muon takes neither, {list(FLOAT_SUM_MODES)} keep a "
+      "float momentum sum); add an om.muon mode"
+    )
   built = optimizers(
     flat,
     mesh,
@@ -842,6 +992,7 @@ def main(argv=None):
       "offload": args.offload,
       "donate": args.donate,
       "mode": name,
+      "part": part_of(args.target),
       "precision": args.precision,
       **measure(tx, params, name, args.offload, args.donate),
     }
@@ -856,7 +1007,7 @@ def main(argv=None):
     if args.json:
       emit(record)
   if not args.json:
-    print(table(records))
+    print(table(records, part_of(args.target)))
 
 
 if __name__ == "__main__":

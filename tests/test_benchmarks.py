@@ -5,6 +5,7 @@ the four single-device benchmarks on the CPU, as it will on a GPU machine."""
 import json
 import math
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -177,6 +178,114 @@ def test_at_scale_bad_arguments_exit_2_naming_them(args, flag):
   assert result.returncode == 2, result.stderr[-2000:]
   assert f"argument {flag}:" in result.stderr, result.stderr[-2000:]
   assert "Traceback" not in result.stderr
+
+
+MALFORMED_TREES = {
+  "not a dict": [1, 2],
+  "an empty tree": {},
+  "a leaf without a shape": {"w": [[], "muon", []]},
+  "a bad label": {"w": [[8, 8], "sgd", [None, "model"]]},
+  "a spec naming no mesh axis": {"w": [[8, 8], "muon", [None, "tensor"]]},
+  "a spec shorter than its shape": {"w": [[2, 8, 8], "muon", [None, "model"]]},
+  "a Muon vector": {"w": [[8], "muon", [None]]},
+  "an entry of two": {"w": [[8, 8], "muon"]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_TREES))
+def test_at_scale_malformed_tree_exits_2_naming_the_leaf(case, tmp_path):
+  path = tmp_path / "tree.json"
+  path.write_text(json.dumps(MALFORMED_TREES[case]))
+  result = _call("at_scale.py", "--model", str(path), "--modes", "blockwise")
+  assert result.returncode == 2, (case, result.stderr[-2000:])
+  assert "argument --model:" in result.stderr, result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+  if isinstance(MALFORMED_TREES[case], dict) and MALFORMED_TREES[case]:
+    assert "leaf 'w'" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+  "flags, flag",
+  [
+    (["--stacked"], "--stacked"),
+    (["--layers", "2"], "--layers"),
+    (["--fsdp", "matrix"], "--fsdp"),
+  ],
+)
+@pytest.mark.parametrize("model", ["tree", "deepseek-v3:2"])
+def test_at_scale_refuses_the_llama_flags_on_another_tree(
+  model, flags, flag, tmp_path
+):
+  if model == "tree":
+    model = str(tmp_path / "tree.json")
+    pathlib.Path(model).write_text(
+      json.dumps({"w": [[64, 64], "muon", [None, "model"]]})
+    )
+  result = _call("at_scale.py", "--model", model, *flags)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert f"argument {flag}: applies to the Llama models" in result.stderr
+
+
+def test_at_scale_with_nothing_left_to_measure_exits_2():
+  # Dion2's momentum is a float sum: --momentum 8bit filters it out
+  result = _call(
+    "at_scale.py", "--quick", "--momentum", "8bit", "--modes", "dion2"
+  )
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "argument --modes: none of ['dion2'] takes --momentum 8bit" in (
+    result.stderr
+  )
+
+
+def test_at_scale_reads_a_users_model_function_and_its_target_part(tmp_path):
+  (tmp_path / "user_model.py").write_text(
+    "import jax, jax.numpy as jnp\n"
+    "from jax.sharding import PartitionSpec as P\n"
+    "def abstract():\n"
+    "  params = {'mlp': {'up': jax.ShapeDtypeStruct((64, 256), jnp.float32),\n"
+    "                    'down': jax.ShapeDtypeStruct((256, 64), jnp.float32)},\n"
+    "            'embed': jax.ShapeDtypeStruct((100, 64), jnp.float32)}\n"
+    "  specs = {'mlp': {'up': P(None, 'model'), 'down': P('model')},\n"
+    "           'embed': P()}\n"
+    "  return params, specs\n"
+  )
+  result = subprocess.run(
+    [
+      sys.executable,
+      str(ROOT / "benchmarks" / "at_scale.py"),
+      "--model",
+      "user_model:abstract",
+      "--modes",
+      "duplicated",
+      "--dtype",
+      "fp32",
+      "--json",
+    ],
+    capture_output=True,
+    text=True,
+    cwd=tmp_path,
+    timeout=600,
+    env=_env(),
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  (record,) = [json.loads(line) for line in result.stdout.splitlines()]
+  assert record["part"] == "80GB"
+  # duplicated gathers the two Muon matrices whole, once (the embedding is
+  # AdamW's, by om.default_labels)
+  assert record["collective_gib"]["all-gather"] * 2**30 == 2 * 64 * 256 * 4
+  parts = subprocess.run(
+    [
+      sys.executable,
+      "-c",
+      "import at_scale; print([at_scale.part_of(t) for t in "
+      "('tpu-v5p-8', 'h100-8', 'h200-64', 'b200-8', 'cpu')])",
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT / "benchmarks",
+    env=_env(),
+  )
+  assert parts.stdout.strip() == "['95GB', '80GB', '141GB', '192GB', '80GB']"
 
 
 def test_at_scale_table_has_the_json_numbers_and_says_what_is_counted():

@@ -581,19 +581,40 @@ def test_duplicated_normalizes_each_matrix_from_its_shards(precision, whole):
 
 
 def test_an_asynchronous_gpu_collective_counts_its_results_only():
-  # XLA's GPU compiler writes a combined all-gather as a start whose type is
-  # ((operands...), (results...)) and a done; the bytes that move are the
-  # results'
+  # XLA's GPU compiler writes an asynchronous collective as a start whose
+  # type holds its operands and results, ``((operands...), (results...))``
+  # for a combined one and ``((operand), result)`` for one alone, and a
+  # done whose type is the results: the bytes that move are the done's,
+  # once (issue 57: the single form counted 9/8 at TP 8)
   hlo = "\n".join(
     [
       "ENTRY %main () -> f32[] {",
       "  %s = ((bf16[4,2]{1,0}, bf16[8]{0}), (bf16[4,16]{1,0}, bf16[64]{0}))"
       " all-gather-start(%a, %b), dimensions={1}",
       "  %d = (bf16[4,16]{1,0}, bf16[64]{0}) all-gather-done(%s)",
+      "  %t = ((bf16[8,1024]{1,0}), bf16[8,8192]{1,0}) all-gather-start(%e),"
+      " dimensions={1}",
+      "  %u = bf16[8,8192]{1,0} all-gather-done(%t)",
+      "  %v = ((f32[8,4]{1,0}), f32[8,4]{1,0}) async-start(%g),"
+      " calls=%wrapped",
+      "  %w = f32[8,4]{1,0} async-done(%v), calls=%wrapped",
       "  %r = f32[16]{0} all-reduce(%c), to_apply=%add",
+      "  %k = s32[] conditional(%p), true_computation=%yes,"
+      " false_computation=%no",
+      "}",
+      "%wrapped (x: f32[8,4]) -> f32[8,4] {",
+      "  %x = f32[8,4]{1,0} all-to-all(%y), dimensions={0}",
+      "}",
+      "%yes (x: s32[]) -> s32[] {",
+      "  %q = f32[32]{0} all-reduce(%z), to_apply=%add",
+      "}",
+      "%no (x: s32[]) -> s32[] {",
+      "  %n = f32[2]{0} all-reduce(%z), to_apply=%add",
       "}",
     ]
   )
   got = _hlo.collective_bytes(hlo)
-  assert got["all-gather"] == (4 * 16 + 64) * 2
-  assert got["all-reduce"] == 16 * 4
+  assert got["all-gather"] == (4 * 16 + 64 + 8 * 8192) * 2
+  assert got["all-to-all"] == 8 * 4 * 4  # the wrapped one, run once
+  # both branches of a GPU conditional are read (an upper bound, as on TPU)
+  assert got["all-reduce"] == (16 + 32 + 2) * 4
