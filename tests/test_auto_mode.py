@@ -182,13 +182,36 @@ def test_the_choice_is_the_least_modeled_time():
   mesh = _mesh()
   params, specs = _tree()
   sharded = _put(params, specs, mesh)
+  names = sorted(params)
+  # the 64 × 64 "square", split by columns over 8 ranks, 5 steps, float32,
+  # modeled by hand: duplicated orthogonalizes it whole (5 · 6 · 64³ FLOPs)
+  # after gathering 7/8 of it, with 3 collectives (max, norm, gather);
+  # distributed splits the 4 m² n product 8 ways and all-reduces the
+  # float32 Gram matrix each step (7 collectives); allgather has one
+  # matrix of its shape, so it gathers as duplicated does
+  by_hand = {
+    "duplicated": (5 * 6 * 64**3, 64 * 64 * 4 * 7 / 8, 3),
+    "distributed": (
+      5 * (4 * 64**3 / 8 + 2 * 64**3),
+      5 * 2 * 64 * 64 * 4 * 7 / 8,
+      7,
+    ),
+  }
   for rates in (CPU, SLOW_LINK, SLOW_MATMUL):
     tp = om.TensorParallel(mesh, mode="auto", rates=rates)
-    for choice in _choices(sharded, tp):
-      fastest = min(choice.costs, key=lambda c: c.seconds)
-      assert choice.mode == fastest.runs
+    seconds = {
+      mode: flops / rates.highest_flops
+      + moved / rates.link_bytes
+      + collectives * rates.latency
+      for mode, (flops, moved, collectives) in by_hand.items()
+    }
+    choice = _choices(sharded, tp)[names.index("square")]
+    assert choice.mode == min(seconds, key=seconds.get), (rates, seconds)
+    modeled = {c.mode: c.seconds for c in choice.costs}
+    for mode, want in seconds.items():
+      assert modeled[mode] == pytest.approx(want, rel=1e-9), mode
+    assert modeled["allgather"] == pytest.approx(seconds["duplicated"])
   # a slow link: the fewest bytes; slow matmuls: the fewest FLOPs
-  names = sorted(params)
   slow_link = _choices(
     sharded, om.TensorParallel(mesh, mode="auto", rates=SLOW_LINK)
   )
@@ -417,3 +440,77 @@ def test_the_compiled_collectives_are_the_chosen_modes(rates):
     )
   )
   assert moved == pytest.approx(modeled, rel=0.02)
+
+
+def _costs(shape, spec, itemsize, rates, modes=None):
+  """``cost.mode_costs`` of one leaf over 8 ranks of ``model``, by mode."""
+  tp = om.TensorParallel(_mesh(), mode="auto", rates=rates)
+  view = layout.matrix_view(shape, "leading")
+  (normalized,) = tp.leaf_specs(
+    {
+      "w": jax.ShapeDtypeStruct(
+        shape, "float32", sharding=NamedSharding(tp.mesh, spec)
+      )
+    }
+  )
+  found = cost.mode_costs(
+    view, normalized, itemsize, tp, 5, "highest", modes=modes
+  )
+  return {c.mode: c for c in found}
+
+
+def test_each_collective_costs_its_latency():
+  # links and matmuls free: a mode's time is its collectives × latency,
+  # counted by hand: duplicated all-reduces the max and the norm, then
+  # gathers (3); distributed all-reduces the Gram matrix each of 5 steps
+  # and the max and norm once (7)
+  free = om.DeviceRates(1e30, 1e30, 1e30, 1e30, latency=1.0)
+  costs = _costs((64, 64), P(None, "model"), 4, free)
+  assert costs["duplicated"].seconds == pytest.approx(3.0)
+  assert costs["distributed"].seconds == pytest.approx(7.0)
+  mesh = _mesh()
+  tree = _put(
+    {"w": normal(jax.random.key(1), (64, 64))}, {"w": P(None, "model")}, mesh
+  )
+  tp = om.TensorParallel(mesh, mode="auto", rates=free)
+  assert [c.mode for c in _choices(tree, tp)] == ["duplicated"]
+
+
+@pytest.mark.parametrize("dtype, itemsize", [("bfloat16", 2), ("float32", 4)])
+def test_allgather_moves_its_elements_at_the_leafs_own_itemsize(
+  dtype, itemsize
+):
+  # 16 matrices of 32 × 64 over 8 ranks: 2 whole ones each, sent and sent
+  # back by two all-to-alls, each moving 7/8 of them
+  moved = 2 * 2 * 32 * 64 * itemsize * 7 / 8
+  costs = _costs(
+    (16, 32, 64), P(None, None, "model"), itemsize, CPU, ["allgather"]
+  )
+  assert costs["allgather"].bytes == pytest.approx(moved)
+  # and what auto reads for a bfloat16 tree is its bytes: the compiled ones
+  mesh = _mesh()
+  leaf = normal(jax.random.key(2), (16, 32, 64)).astype(dtype)
+  tx = om.orthogonalize(
+    dimension_numbers="leading",
+    sharding=om.TensorParallel(mesh, mode="allgather"),
+  )
+  struct = {
+    "w": jax.ShapeDtypeStruct(
+      leaf.shape,
+      leaf.dtype,
+      sharding=NamedSharding(mesh, P(None, None, "model")),
+    )
+  }
+  with jax.set_mesh(mesh):
+    hlo = (
+      jax.jit(lambda u: tx.update(u, tx.init(u))[0])
+      .lower(struct)
+      .compiler_ir("hlo")
+      .as_hlo_text()
+    )
+  # the all-to-alls JAX asks for carry the stack's shards in its dtype, 2 ×
+  # 16·32·64/8 (XLA:CPU then widens bfloat16 ones to float32; the TPU and
+  # GPU compilers keep them)
+  assert (
+    _hlo.collective_bytes(hlo)["all-to-all"] == 2 * 16 * 32 * 64 // 8 * itemsize
+  )

@@ -229,3 +229,26 @@ def test_an_explicit_mesh_takes_a_replicated_state(member):
   chex.assert_trees_all_equal(
     updates[AxisType.Auto], updates[AxisType.Explicit]
   )
+
+
+def test_each_shard_selects_its_own_fraction_of_its_slices():
+  # a (16, 40) leaf, its 40 columns over 4 ranks: 10 a shard, and
+  # ⌈0.25 · 10⌉ = 3 selected in each (not ⌈0.25 · 40⌉ // 4 = 2)
+  from optax_muon._src.optimizers import dion2_local
+  from optax_muon._src.views import layout
+
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=AUTO)
+  tp = om.TensorParallel(mesh, mode="allgather")
+  view = layout.matrix_view((16, 40))
+  assert dion2_local.plan(view, ((), ("model",)), tp, 0.25).count == 3
+  spec = P(None, "model")
+  grads = jax.device_put(gaussian((16, 40), 5), NamedSharding(mesh, spec))
+  tx = om.dion2(
+    0.25,
+    fraction=0.25,
+    selection_scope="local",
+    sharding=om.TensorParallel(mesh, mode="allgather", specs=spec),
+  )
+  updates, _ = jax.jit(tx.update)(grads, tx.init(grads), grads)
+  moved = np.abs(np.asarray(updates)).sum(axis=0) > 0
+  assert [int(s.sum()) for s in np.split(moved, 4)] == [3, 3, 3, 3]

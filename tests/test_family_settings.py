@@ -93,7 +93,13 @@ def test_a_shared_setting_taken_through_keywords_builds(member):
     if reference is None or name in exempt or name in _parameters(member):
       continue
     tx = member(0.01, **{name: reference.default})
-    tx.init(params)
+    assert jax.tree.structure(tx.init(params)) is not None
+    # and it reaches what checks it: a value no member accepts is refused
+    # by name (om.muon refuses -3 for every shared keyword); a keyword
+    # dropped on the way would be accepted silently
+    with pytest.raises((ValueError, TypeError), match=name):
+      bad = member(0.01, **{name: -3})
+      bad.update(params, bad.init(params), params)
 
 
 def test_a_setting_that_does_not_apply_is_refused_by_name():

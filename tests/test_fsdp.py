@@ -249,3 +249,30 @@ def test_experts_sharded_over_an_expert_axis_move_nothing_over_it(mode):
   assert lines  # the mode's own tensor-parallel traffic
   for line in lines:
     assert not _crosses_rows(line, mesh), line
+
+
+def test_fsdp_homes_on_a_two_rank_data_axis():
+  # the fast tier's other FSDP cases are on (4, 2) or split the work over
+  # data: here each of 2 data ranks is home to half of each stack
+  mesh = _mesh((2, 4))
+  params, specs = _tree()
+  reference = om.scale_by_muon(dimension_numbers="leading")
+  expected = reference.update(params, reference.init(params))[0]
+  for mode in EXACT:
+    tx = om.scale_by_muon(
+      dimension_numbers="leading", sharding=om.TensorParallel(mesh, mode=mode)
+    )
+    got = _update(tx, _put(params, specs, mesh), mesh)
+    chex.assert_trees_all_close(got, expected, atol=1e-5)
+  # an 8-layer stack FSDP'd on its matrix axis: half of it a data rank,
+  # the shard moved twice over data (not gathered)
+  on_matrix, matrix_bytes = _compiled(
+    (8, 128, 256), P(None, "data", "model"), mesh, "duplicated"
+  )
+  on_layers, layer_bytes = _compiled(
+    (8, 128, 256), P("data", None, "model"), mesh, "duplicated"
+  )
+  assert on_matrix <= 1.1 * on_layers, (on_matrix, on_layers)
+  shard = 8 * 128 * 256 * 4 // 8
+  over_data = matrix_bytes["all-to-all"] - layer_bytes["all-to-all"]
+  assert over_data == pytest.approx(2 * shard, rel=0.01), matrix_bytes

@@ -335,3 +335,22 @@ def test_muon_config_passes_the_budget_on():
   text = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
   assert "optimization_barrier" in text
   np.testing.assert_equal(config.muon_memory_budget, TINY)
+
+
+@pytest.mark.parametrize(
+  "count, fit, unit, part",
+  [
+    # by hand: the largest multiple of unit dividing count, when it is at
+    # least half of what fits; else what fits (a shorter last part)
+    (10, 4, 1, 2),  # 4 fit; 2 divides 10 and is half of 4
+    (12, 5, 1, 4),  # 5 fit; 4 divides 12
+    (16, 6, 2, 4),  # 6 fit; 4 is a multiple of 2 dividing 16
+    (7, 3, 1, 3),  # 7 is prime: parts of 3, 3, 1
+    (9, 20, 1, 9),  # all fit
+    (6, 1, 2, 2),  # less than a unit fits: one unit
+  ],
+)
+def test_a_stacks_part_divides_it_when_that_loses_at_most_half(
+  count, fit, unit, part
+):
+  assert waves._part_size(count, fit, unit) == part

@@ -460,3 +460,21 @@ def test_an_8_bit_or_host_momentum_streams_through_the_waves():
   assert not Execution().streams(jnp.bfloat16)
   with pytest.raises(ValueError, match="memory_budget"):
     Execution(memory_budget=0)
+
+
+@pytest.mark.parametrize("member", [om.adaptive_muon, om.polargrad])
+def test_the_chained_members_8_bit_momentum_keeps_the_memory_budget(member):
+  # adaptive_muon and polargrad chain their momentum before the direction:
+  # the budget given to them reaches it, so an over-budget stack's int8
+  # values are read a part (a layer) at a time
+  params = {"stack": jnp.zeros((16, 128, 512))}
+
+  def int8_parts(budget):
+    tx = member(
+      0.02, dimension_numbers="leading", mu_dtype=Q8, memory_budget=budget
+    )
+    text = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
+    return re.findall(r"dynamic_slice[^\n]*-> tensor<1x128x512xi8>", text)
+
+  assert int8_parts(1 << 20)
+  assert not int8_parts(1 << 40)

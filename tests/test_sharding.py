@@ -595,8 +595,7 @@ def test_an_asynchronous_gpu_collective_counts_its_results_only():
       "  %t = ((bf16[8,1024]{1,0}), bf16[8,8192]{1,0}) all-gather-start(%e),"
       " dimensions={1}",
       "  %u = bf16[8,8192]{1,0} all-gather-done(%t)",
-      "  %v = ((f32[8,4]{1,0}), f32[8,4]{1,0}) async-start(%g),"
-      " calls=%wrapped",
+      "  %v = ((f32[8,4]{1,0}), f32[8,4]{1,0}) async-start(%g), calls=%wrapped",
       "  %w = f32[8,4]{1,0} async-done(%v), calls=%wrapped",
       "  %r = f32[16]{0} all-reduce(%c), to_apply=%add",
       "  %k = s32[] conditional(%p), true_computation=%yes,"

@@ -30,6 +30,7 @@ import optax
 from optax_muon._src.optimizers import muon as alias
 from optax_muon._src.parallel.tensor_parallel import EXACT_MODES
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
+from optax_muon._src.parallel.tensor_parallel import check_sharding
 
 
 class MuonBPState(NamedTuple):
@@ -119,6 +120,7 @@ def muon_bp(
       "(a full orthogonalization every `period` steps)"
     )
   sharding = muon_kwargs.get("sharding")
+  check_sharding(sharding)
   if sharding is not None and sharding.mode not in (*EXACT_MODES, "auto"):
     raise ValueError(
       f"muon_bp's sharding.mode={sharding.mode!r} is not accepted: its full "
