@@ -2,7 +2,6 @@
 modeled time, the model checked against the compiler's own counts, the
 memory budget, the spectral and blockwise cases, and bad settings."""
 
-import dataclasses
 import sys
 
 import chex
@@ -29,10 +28,8 @@ import _hlo  # noqa: E402  (the benchmarks' HLO byte count)
 
 CPU = om.KNOWN_RATES["cpu"]
 # rates that make one side of the model dominate
-SLOW_LINK = dataclasses.replace(CPU, link_bytes=1.0, latency=0.0)
-SLOW_MATMUL = dataclasses.replace(
-  CPU, bf16_flops=1.0, high_flops=1.0, highest_flops=1.0, latency=0.0
-)
+SLOW_LINK = om.DeviceRates(1e30, 1e30, 1e30, link_bytes=1e6, latency=0.0)
+SLOW_MATMUL = om.DeviceRates(1e9, 1e9, 1e9, link_bytes=1e30, latency=0.0)
 
 
 def _mesh(shape=(8,)):
@@ -386,6 +383,22 @@ def test_bad_auto_settings_raise(monkeypatch):
     om.DeviceRates(1e12, 1e12, 1e12, 0)
   with pytest.raises(ValueError, match="DeviceRates.latency"):
     om.DeviceRates(1e12, 1e12, 1e12, 1e9, latency=-1.0)
+  # a unit slip (an H100 in TFLOP/s, NVLink in GB/s) and an infinite link
+  with pytest.raises(ValueError, match="bf16_flops=989 .*not tera"):
+    om.DeviceRates(989, 494, 67, 450e9)
+  with pytest.raises(ValueError, match="link_bytes=450 .*not tera"):
+    om.DeviceRates(989e12, 494e12, 67e12, 450)
+  with pytest.raises(
+    ValueError, match="DeviceRates.link_bytes must be a finite"
+  ):
+    om.DeviceRates(989e12, 494e12, 67e12, float("inf"))
+  # auto's settings on a fixed mode would be read by nothing
+  with pytest.raises(ValueError, match="sharding.auto_modes is read only by"):
+    om.TensorParallel(mesh, mode="duplicated", auto_modes=("duplicated",))
+  with pytest.raises(ValueError, match="sharding.rates is read only by"):
+    om.TensorParallel(mesh, mode="allgather", rates=CPU)
+  # muon_bp's block steps drop the full steps' auto settings, as they must
+  om.muon_bp(0.02, sharding=om.TensorParallel(mesh, mode="auto", rates=CPU))
   monkeypatch.setattr(rates_lib, "KNOWN_RATES", {})
   with pytest.raises(ValueError, match="sharding.rates=om.DeviceRates"):
     om.TensorParallel(mesh, mode="auto")

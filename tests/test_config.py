@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import optax_muon as om
 from conftest import gaussian
 from conftest import normal
+from optax_muon._src.config import muon_config
 
 # verl's actor.optim and Megatron-Core's muon_* defaults (DESIGN §7); None is
 # "unset": muon_tp_mode resolves to blockwise with a mesh, the extra factor to
@@ -659,3 +660,26 @@ def test_dion2_selection_scope_global_takes_what_the_local_scope_refuses():
   )
   want, _ = unsharded.update(grads, unsharded.init(params), params)
   chex.assert_trees_all_close(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+  "optimizer, field, value",
+  [
+    ("muon", "dion2_fraction", 0.5),
+    ("muon", "adaptive_muon_beta2", 0.9),
+    ("dion2", "nordion2_beta2", 0.9),
+    ("nordion2", "dion_rank_fraction", 0.5),
+    ("adaptive_muon", "muon_bp_period", 3),
+  ],
+)
+def test_a_members_field_set_for_another_member_is_refused_by_name(
+  optimizer, field, value
+):
+  with pytest.raises(ValueError, match=f"{field}={value!r} is read only by"):
+    om.MuonConfig(optimizer=optimizer, **{field: value})
+  # its own member reads it, and adam keeps verl's configs (from_dict warns)
+  readers = [
+    r for p, r in muon_config.FIELDS_READ_BY.items() if field.startswith(p)
+  ]
+  om.MuonConfig(optimizer=readers[0][0], **{field: value})
+  om.MuonConfig(optimizer="adam", **{field: value})

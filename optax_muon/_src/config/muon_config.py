@@ -69,6 +69,15 @@ FIELD_KEYWORDS = {
 }
 # take an exact muon_tp_mode: each shard selects its own slices
 DION2_FAMILY = ("dion2", "nordion2")
+# field prefix -> the optimizers that read the fields (longest prefix first:
+# "dion2_" before "dion_" cannot clash, "nordion2_" is its own)
+FIELDS_READ_BY = {
+  "adaptive_muon_": ("adaptive_muon",),
+  "dion2_": DION2_FAMILY,
+  "nordion2_": ("nordion2",),
+  "dion_": ("dion",),
+  "muon_bp_": ("muon_bp",),
+}
 # Dion takes muon_tp_mode="distributed": its own scheme, each device keeps
 # its block of every matrix
 DION_TP_MODES = (None, "distributed")
@@ -201,6 +210,7 @@ class MuonConfig:
     self._coerce_fields()
     self._check_values()
     self._check_family()
+    self._check_fields_read()
     self._check_momentum_and_clip()
 
   def _coerce_fields(self) -> None:
@@ -257,6 +267,32 @@ class MuonConfig:
     )
     _checks.check_int("muon_num_ns_steps", self.muon_num_ns_steps, minimum=1)
     _checks.check_int("muon_bp_period", self.muon_bp_period, minimum=1)
+
+  def _check_fields_read(self) -> None:
+    """Raises naming a family member's field set (to other than its
+    default) while ``optimizer`` is another Muon-family member, which would
+    ignore it (``"adam"`` ignores every Muon field: ``from_dict`` warns, as
+    verl's configs carry them all)."""
+    if self.optimizer == "adam":
+      return
+    defaults = type(self)()
+    for field in dataclasses.fields(self):
+      readers = [
+        readers
+        for prefix, readers in FIELDS_READ_BY.items()
+        if field.name.startswith(prefix)
+      ]
+      if (
+        readers
+        and self.optimizer not in readers[0]
+        and getattr(self, field.name) != getattr(defaults, field.name)
+      ):
+        raise ValueError(
+          f"{field.name}={getattr(self, field.name)!r} is read only by "
+          f"optimizer in {list(readers[0])}, but optimizer="
+          f"{self.optimizer!r}; accepted: one of those optimizers, or "
+          f"{field.name} left at its default"
+        )
 
   def _check_family(self) -> None:
     """Raises naming the first Dion-family setting not accepted."""

@@ -131,7 +131,10 @@ def muon_bp(
   # without sharding=, the blocks are the shards the params' types name
   # (none for arrays on no Explicit mesh: then a block step is Muon's)
   blockwise = dataclasses.replace(
-    sharding or TensorParallel(mesh=None), mode="blockwise"
+    sharding or TensorParallel(mesh=None),
+    mode="blockwise",
+    auto_modes=EXACT_MODES,  # auto's settings: not read by blockwise
+    rates=None,
   )
   block = alias.muon(learning_rate, **dict(muon_kwargs, sharding=blockwise))
   return alternate(full, block, period)

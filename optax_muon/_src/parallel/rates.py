@@ -7,8 +7,14 @@ a model compares the modes with them, it does not predict a step's time.
 """
 
 import dataclasses
+import math
 
 import jax
+
+# below these a rate is a unit slip (TFLOP/s or GB/s given as FLOP/s or
+# bytes/s): no accelerator or link the cost model compares is that slow
+MIN_FLOPS = 1e9
+MIN_LINK_BYTES = 1e6
 
 # Newton–Schulz precision -> which of the part's rates its matmuls run at
 _RATE_OF_PRECISION = {
@@ -45,11 +51,29 @@ class DeviceRates:
   name: str = "custom"
 
   def __post_init__(self):
-    for field in ("bf16_flops", "high_flops", "highest_flops", "link_bytes"):
+    for field, floor, unit in (
+      ("bf16_flops", MIN_FLOPS, "FLOP/s"),
+      ("high_flops", MIN_FLOPS, "FLOP/s"),
+      ("highest_flops", MIN_FLOPS, "FLOP/s"),
+      ("link_bytes", MIN_LINK_BYTES, "bytes/s"),
+    ):
       value = getattr(self, field)
-      if not isinstance(value, (int, float)) or not value > 0:
+      if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not value > 0
+      ):
         raise ValueError(
-          f"DeviceRates.{field} must be a positive number, got {value!r}"
+          f"DeviceRates.{field} must be a finite positive number of {unit}, "
+          f"got {value!r}"
+        )
+      if value < floor:
+        raise ValueError(
+          f"DeviceRates.{field}={value!r} is below {floor:.0e} {unit}: the "
+          f"field is in {unit}, not tera- or giga- (an H100's bf16 rate is "
+          "989e12, NVLink's 450e9); accepted values: a number of "
+          f"{unit} >= {floor:.0e}"
         )
     if not isinstance(self.latency, (int, float)) or self.latency < 0:
       raise ValueError(

@@ -122,6 +122,21 @@ class TensorParallel:
     self._check_auto()
 
   def _check_auto(self) -> None:
+    if self.mode != "auto":
+      read_by_auto = [
+        name
+        for name, given in (
+          ("auto_modes", self.auto_modes != EXACT_MODES),
+          ("rates", self.rates is not None),
+        )
+        if given
+      ]
+      if read_by_auto:
+        raise ValueError(
+          f"sharding.{read_by_auto[0]} is read only by mode='auto', but "
+          f"sharding.mode={self.mode!r}; accepted: mode='auto' with it, or "
+          f"{read_by_auto[0]} left at its default"
+        )
     choices = MODES[:-1]
     if (
       not isinstance(self.auto_modes, tuple)
@@ -307,9 +322,8 @@ def from_types(
   if mesh is None:
     return None
   if template is None:
-    template = TensorParallel(mesh=None, mode="auto")
-    if rates_lib.rates_of(mesh) is None:
-      template = dataclasses.replace(template, mode="duplicated")
+    known = rates_lib.rates_of(mesh) is not None
+    template = TensorParallel(mesh=None, mode="auto" if known else "duplicated")
   axis = template.axis
   if axis not in mesh.axis_names:
     split = dict.fromkeys(mesh.axis_names, 0)
