@@ -346,3 +346,47 @@ def test_dion2_takes_auto_among_exact_modes_and_the_dions_need_a_mesh():
   for member in (om.dion2, om.dion):
     with pytest.raises(ValueError, match="sharding.mesh=None is not accepted"):
       member(0.02, sharding=om.TensorParallel(None, mode="distributed"))
+
+
+@pytest.mark.parametrize(
+  "mode", [None, "duplicated", "distributed", "allgather"]
+)
+def test_adaptive_muon_splits_a_fused_kernel_sharded_along_its_fan_out(mode):
+  # the fused gate-up is [gate | up] over 4 shards (no shard holds both
+  # halves) and the QKV [Q | K | V]: cutting them into their pieces on an
+  # Explicit mesh is XLA's (issue 57 item 2: a ShardingTypeError at init)
+  mesh = _explicit_mesh((2, 4))
+  keys = iter(jax.random.split(jax.random.key(3), 4))
+  params = {
+    "gate_up": normal(next(keys), (64, 256)),
+    "qkv": normal(next(keys), (64, 3 * 64)),
+  }
+  specs = {"gate_up": P(None, "model"), "qkv": P(None, "model")}
+  splits = dict(
+    split_gate_up=om.SplitGateUp(),
+    split_qkv=om.SplitQKV(8, 8, 8, layout="concatenated"),
+  )
+  build = lambda sharding=None: om.adaptive_muon(
+    0.01,
+    moment2_method="normuon",
+    precision="highest",
+    sharding=sharding,
+    **splits,
+  )
+  sharding = None if mode is None else om.TensorParallel(mesh, mode=mode)
+  with jax.set_mesh(mesh):
+    got = _three_updates(build(sharding), _placed(params, specs, mesh))
+    state = build(sharding).init(_placed(params, specs, mesh))
+  want = _three_updates(build(), params)
+  for step in range(3):
+    for name in params:
+      np.testing.assert_allclose(
+        got[step][name], want[step][name], atol=1e-5, err_msg=name
+      )
+  # the second moment of each piece stays split like its param's fan-out
+  moments = [
+    x.sharding.spec
+    for x in jax.tree.leaves(state)
+    if getattr(x, "ndim", 0) >= 2 and x.shape[-1] >= 64
+  ]
+  assert moments and all(spec[-1] == "model" for spec in moments), moments

@@ -95,7 +95,7 @@ def scale_by_polargrad(
           keepdims=True,
         )
         pieces.append((o_matrices * scale * extra_scale_factor).astype(o.dtype))
-      scaled.append(view.from_matrices(pieces))
+      scaled.append(view.from_matrices(pieces, like=o))
     return (jax.tree.unflatten(treedef, scaled), PolarGradState(momentum_state))
 
   return optax.GradientTransformation(init_fn, update_fn)

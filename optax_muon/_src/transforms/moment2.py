@@ -165,7 +165,7 @@ def scale_by_moment2(
         out, v = normalize(o.astype(jnp.float32), v, g_piece, u_piece)
         outs.append(out.astype(o.dtype))
         vs.append(v)
-      new_leaves.append(view.from_matrices(outs))
+      new_leaves.append(view.from_matrices(outs, like=leaf))
       new_moments.append(tuple(vs))
     return (
       jax.tree.unflatten(treedef, new_leaves),

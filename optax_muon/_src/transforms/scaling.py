@@ -69,7 +69,8 @@ def scale_by_shape(
       return leaf * jnp.asarray(factors[0], leaf.dtype)
     pieces = view.to_matrices(leaf)
     return view.from_matrices(
-      [p * jnp.asarray(f, p.dtype) for p, f in zip(pieces, factors)]
+      [p * jnp.asarray(f, p.dtype) for p, f in zip(pieces, factors)],
+      like=leaf,
     )
 
   def update_fn(updates, state, params=None):

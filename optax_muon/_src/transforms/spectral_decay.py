@@ -43,7 +43,9 @@ def add_spectral_clipped_weight_decay(
     for _, leaf, view in resolve_views(params):
       (matrices,) = view.to_matrices(leaf)
       decayed.append(
-        view.from_matrices([spectral_clipped_weight_decay(matrices, beta, c)])
+        view.from_matrices(
+          [spectral_clipped_weight_decay(matrices, beta, c)], like=leaf
+        )
         - leaf
       )
     decayed = jax.tree.unflatten(jax.tree.structure(params), decayed)

@@ -143,7 +143,47 @@ class MatrixView:
     return [(self.fan_in, self.groups * w) for w in widths]
 
   def to_matrices(self, x: jax.Array) -> list[jax.Array]:
-    """The leaf as pieces of shape ``(batch, fan_in, fan_out_i)``."""
+    """The leaf as pieces of shape ``(batch, fan_in, fan_out_i)``.
+
+    A leaf typed as split over a mesh's Explicit axes is cut by XLA (jax's
+    ``auto_axes``): its pieces keep the splits of its one batch, fan-in and
+    fan-out axis where a piece's size divides by them
+    (``piece_sharding``), so a fused kernel split along its fan-out is cut
+    into its pieces with no error about an ambiguous sharding."""
+    sharding = explicit_sharding(x)
+    if sharding is None:
+      return self._to_matrices(x)
+    return jax.sharding.auto_axes(
+      self._to_matrices,
+      out_sharding=[
+        self.piece_sharding(sharding, w) for _, w in self.matrix_shapes
+      ],
+    )(x)
+
+  def piece_sharding(self, sharding, width: int):
+    """The sharding of a ``(batch, fan_in, width)`` piece of a leaf sharded
+    as ``sharding``: each of the leaf's batch, fan-in and fan-out axes that
+    is alone (not merged with another) keeps its split where it divides the
+    piece's size; the rest are whole."""
+    spec = tuple(sharding.spec) + (None,) * (
+      len(self.shape) - len(sharding.spec)
+    )
+    mesh = sharding.mesh
+    entries = []
+    for axes, size in (
+      (self.batch_axes, math.prod(self.batch_shape)),
+      (self.reduction_axes, self.fan_in),
+      (self.output_axes, width),
+    ):
+      entry = spec[axes[0]] if len(axes) == 1 else None
+      names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+      parts = math.prod(mesh.shape[n] for n in names)
+      entries.append(entry if names and size % parts == 0 else None)
+    return jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(*entries)
+    )
+
+  def _to_matrices(self, x: jax.Array) -> list[jax.Array]:
     batch = math.prod(self.batch_shape)
     flat = jnp.transpose(x, self.permutation).reshape(
       batch, self.fan_in, self.fan_out
@@ -157,8 +197,39 @@ class MatrixView:
       for s, w in zip(starts, self.widths)
     ]
 
-  def from_matrices(self, pieces: Sequence[jax.Array]) -> jax.Array:
-    """Inverse of ``to_matrices``."""
+  def from_matrices(
+    self, pieces: Sequence[jax.Array], like: jax.Array | None = None
+  ) -> jax.Array:
+    """Inverse of ``to_matrices``; pieces typed as split over a mesh's
+    Explicit axes are put together by XLA as the leaf ``like`` is split (or,
+    without it, as ``to_matrices`` split them)."""
+    sharding = next(
+      (s for s in map(explicit_sharding, pieces) if s is not None), None
+    )
+    if sharding is None:
+      return self._from_matrices(pieces)
+    out = explicit_sharding(like) if like is not None else None
+    if out is None:
+      out = self.leaf_sharding(sharding)
+    return jax.sharding.auto_axes(self._from_matrices, out_sharding=out)(
+      list(pieces)
+    )
+
+  def leaf_sharding(self, piece_sharding):
+    """The leaf's sharding that ``piece_sharding`` came from (the inverse
+    of ``piece_sharding``, where it split an axis)."""
+    entries = [None] * len(self.shape)
+    for axes, entry in zip(
+      (self.batch_axes, self.reduction_axes, self.output_axes),
+      tuple(piece_sharding.spec) + (None,) * 3,
+    ):
+      if len(axes) == 1:
+        entries[axes[0]] = entry
+    return jax.sharding.NamedSharding(
+      piece_sharding.mesh, jax.sharding.PartitionSpec(*entries)
+    )
+
+  def _from_matrices(self, pieces: Sequence[jax.Array]) -> jax.Array:
     batch = math.prod(self.batch_shape)
     if self.widths:
       flat = jnp.concatenate(
@@ -175,6 +246,23 @@ class MatrixView:
       sorted(range(len(self.shape)), key=lambda i: self.permutation[i])
     )
     return jnp.transpose(flat.reshape(permuted_shape), inverse)
+
+
+def explicit_sharding(x) -> jax.sharding.NamedSharding | None:
+  """``x``'s sharding where its type splits it over a mesh's Explicit axes
+  (jax's sharding in types), else None (unsharded, Auto, or inside
+  ``shard_map``, where the axes are Manual)."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if (
+    sharding is None
+    or mesh is None
+    or mesh.empty
+    or jax.sharding.AxisType.Explicit not in mesh.axis_types
+    or not any(entry is not None for entry in sharding.spec)
+  ):
+    return None
+  return sharding
 
 
 def torch_oriented(view: MatrixView) -> MatrixView:
