@@ -683,3 +683,76 @@ def test_a_members_field_set_for_another_member_is_refused_by_name(
   ]
   om.MuonConfig(optimizer=readers[0][0], **{field: value})
   om.MuonConfig(optimizer="adam", **{field: value})
+
+
+def _megatron_tp_tree():
+  """A Megatron TP layer: fused QKV [Q | K | V] and gate-up [gate | up]
+  column-parallel over 4 ranks (no shard holds a whole piece), the output
+  projections row-parallel."""
+  keys = iter(jax.random.split(jax.random.key(7), 4))
+  params = {
+    "linear_qkv": normal(next(keys), (32, 96)),
+    "linear_proj": normal(next(keys), (32, 32)),
+    "linear_fc1_gate_up": normal(next(keys), (32, 128)),
+    "linear_fc2": normal(next(keys), (64, 32)),
+  }
+  specs = {
+    "linear_qkv": P(None, "model"),
+    "linear_proj": P("model", None),
+    "linear_fc1_gate_up": P(None, "model"),
+    "linear_fc2": P("model", None),
+  }
+  return params, specs
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "muon_bp"])
+def test_unset_tp_mode_works_on_a_megatron_tp_tree_with_fused_kernels(
+  optimizer,
+):
+  # issue 57 item 3: muon_tp_mode unset (Megatron's blockwise) failed at the
+  # first update on the fused gate-up; now each fused leaf split along its
+  # fan-out runs an exact mode, every other leaf blockwise
+  mesh = jax.make_mesh(
+    (2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2
+  )
+  params, specs = _megatron_tp_tree()
+  split_qkv = om.SplitQKV(4, 4, 8, layout="concatenated")
+  config = om.MuonConfig(
+    optimizer=optimizer, lr=0.02, muon_fp32_matmul_prec="highest", clip_grad=0.0
+  )
+  tx = config.build(mesh=mesh, specs=specs, split_qkv=split_qkv)
+  placed = jax.tree.map(
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs
+  )
+  got, _ = jax.jit(tx.update)(placed, tx.init(placed), placed)
+  unsharded = config.build(split_qkv=split_qkv)
+  want, _ = unsharded.update(params, unsharded.init(params), params)
+  for name in ("linear_qkv", "linear_fc1_gate_up"):  # exact: as unsharded
+    np.testing.assert_allclose(got[name], want[name], atol=1e-6, err_msg=name)
+  if optimizer == "muon_bp":  # step 0 is a full step: every leaf exact
+    np.testing.assert_allclose(got["linear_fc2"], want["linear_fc2"], atol=1e-6)
+    return
+  # the row-parallel leaves are blockwise: each shard its own matrix
+  shard = {"linear_fc2": params["linear_fc2"][:16]}
+  one, _ = unsharded.update(shard, unsharded.init(shard), shard)
+  np.testing.assert_allclose(
+    np.asarray(got["linear_fc2"])[:16], one["linear_fc2"], atol=1e-6
+  )
+  assert np.abs(np.asarray(got["linear_fc2"]) - want["linear_fc2"]).max() > 1e-3
+
+
+def test_blockwise_on_a_fused_kernel_split_along_its_fan_out_fails_at_init():
+  mesh = jax.make_mesh(
+    (2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2
+  )
+  params, specs = _megatron_tp_tree()
+  tx = om.MuonConfig(optimizer="muon", muon_tp_mode="blockwise").build(
+    mesh=mesh,
+    specs=specs,
+    split_qkv=om.SplitQKV(4, 4, 8, layout="concatenated"),
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"leaf linear_fc1_gate_up: split_gate_up cannot .*muon_tp_mode",
+  ):
+    tx.init(params)

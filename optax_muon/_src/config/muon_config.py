@@ -37,6 +37,7 @@ from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import SCALAR_OPTIMIZERS
 from optax_muon._src.optimizers.route import matrices_only
 from optax_muon._src.parallel import offload
+from optax_muon._src.parallel import rates as rates_lib
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel import waves
 from optax_muon._src.transforms import moment2
@@ -129,7 +130,13 @@ class MuonConfig:
     muon_tp_mode: ``"blockwise"``, ``"duplicated"``, ``"distributed"``,
       ``"allgather"`` or ``"auto"`` (each leaf the exact mode of least
       modeled time, Megatron-Core's ``--muon-tp-mode auto``); ``None``
-      (unset): ``"blockwise"`` when ``build`` gets a mesh. Set, it needs one.
+      (unset), when ``build`` gets a mesh: Megatron's ``"blockwise"`` for
+      every leaf whose shards are whole matrices, and for a fused kernel
+      split along its fan-out (``[gate | up]``, ``[Q | K | V]`` over TP
+      ranks), which no shard holds whole, the exact mode of least modeled
+      time (``"auto"`` over blockwise and the exact modes; plain
+      ``"blockwise"`` on a device kind without ``om.KNOWN_RATES``). Set, it
+      needs one.
     muon_fp32_matmul_prec: ``"highest"``, ``"high"``, ``"medium"``, ``"fp16"``
       or ``"bf16"``.
     muon_extra_scale_factor: factor after the shape scale, > 0; ``None``
@@ -638,11 +645,21 @@ class MuonConfig:
             f"mesh axis named 'data'; the mesh has {axes}"
           )
         distribute = "data"
-      mode = self.tp_mode
+      mode, auto_modes = self.tp_mode, sharding_lib.EXACT_MODES
       if self.optimizer == "muon_bp" and self.muon_tp_mode is None:
         mode = "auto"  # its block steps are blockwise; full steps exact
+      elif self.muon_tp_mode is None and rates_lib.rates_of(mesh):
+        # Megatron's blockwise wherever a leaf's shards are whole pieces
+        # (cheapest, so auto takes it); the exact mode of least modeled time
+        # for a fused [gate | up] or [Q | K | V] split along its fan-out
+        mode, auto_modes = "auto", ("blockwise", *sharding_lib.EXACT_MODES)
       return sharding_lib.TensorParallel(
-        mesh, tp_axis, mode, specs=specs, distribute_over=distribute
+        mesh,
+        tp_axis,
+        mode,
+        specs=specs,
+        distribute_over=distribute,
+        auto_modes=auto_modes,
       )
     if self.use_layer_wise_distributed_optimizer:
       raise ValueError(

@@ -12,7 +12,9 @@ with no communication, on most steps, and the whole matrix every
 
 with each step's shape scale that of what it orthogonalized (the block's
 shape on block steps, the matrix's on full steps: the two RMS-matched step
-sizes). A block step is ``TensorParallel(mode="blockwise")``'s update, a
+sizes). A fused kernel split along its fan-out (``[gate | up]`` over TP
+ranks), whose shards are not whole matrices, is orthogonalized whole on
+block steps too. A block step is ``TensorParallel(mode="blockwise")``'s update, a
 full step the exact mode the sharding names; both read and write the same
 state, so only the step counter is added. Without ``sharding=`` the blocks
 are the shards that the params' types name on a mesh with Explicit axes
@@ -130,11 +132,17 @@ def muon_bp(
   full = alias.muon(learning_rate, **muon_kwargs)
   # without sharding=, the blocks are the shards the params' types name
   # (none for arrays on no Explicit mesh: then a block step is Muon's)
-  blockwise = dataclasses.replace(
-    sharding or TensorParallel(mesh=None),
-    mode="blockwise",
-    auto_modes=EXACT_MODES,  # auto's settings: not read by blockwise
-    rates=None,
+  # each shard alone wherever the shards are whole matrices (blockwise is
+  # the cheapest mode, so auto takes it); a fused [gate | up] or [Q | K | V]
+  # split along its fan-out, which no shard holds whole, is orthogonalized
+  # whole on every step, in the exact mode of least modeled time
+  base = sharding or TensorParallel(mesh=None)
+  blockwise = (
+    dataclasses.replace(base, mode="blockwise", auto_modes=EXACT_MODES)
+    if base.mesh is not None and base.resolved_rates() is None
+    else dataclasses.replace(
+      base, mode="auto", auto_modes=("blockwise", *EXACT_MODES)
+    )
   )
   block = alias.muon(learning_rate, **dict(muon_kwargs, sharding=blockwise))
   return alternate(full, block, period)

@@ -397,6 +397,25 @@ def local_view(view: layout.MatrixView, shape) -> layout.MatrixView:
   return dataclasses.replace(local, groups=int(groups))
 
 
+def check_blocks(tp: TensorParallel, viewed, specs) -> None:
+  """Raises, naming the leaf, where ``tp.mode="blockwise"`` would have to cut
+  a fused leaf's shard into pieces it does not hold whole (a ``[gate | up]``
+  kernel split along its fan-out: no shard holds both halves)."""
+  if tp.mode != "blockwise":
+    return
+  for (path, _, view), spec in zip(viewed, specs):
+    tp_dim = tp_dim_of(view, spec, tp)
+    if tp_dim is None or not view.widths:
+      continue
+    try:
+      local_view(view, local_shape(view.shape, spec, tp))
+    except ValueError as error:
+      raise ValueError(
+        f"leaf {_paths.path_string(path) or '<root>'}: {error} "
+        "(MuonConfig: muon_tp_mode, or build(split_gate_up=/split_qkv=))"
+      ) from None
+
+
 def local_shape(shape, spec, tp: TensorParallel):
   """The shape of this rank's tensor-parallel shard (for blockwise scaling)."""
   return tuple(

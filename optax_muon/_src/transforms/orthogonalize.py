@@ -23,6 +23,7 @@ from optax_muon._src.parallel import sharded
 from optax_muon._src.parallel import waves
 from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
+from optax_muon._src.parallel.tensor_parallel import check_blocks
 from optax_muon._src.parallel.tensor_parallel import resolve
 from optax_muon._src.views.matrix_views import Views
 
@@ -164,7 +165,8 @@ def orthogonalizer(
       sharding, [leaf for _, leaf, _ in viewed], [v for _, _, v in viewed]
     )
     if tp is not None and tp.knows_leaf_specs():
-      tp.leaf_specs(params)  # and bad specs here
+      # and bad specs, or shards blockwise cannot cut, here
+      check_blocks(tp, viewed, tp.leaf_specs(params))
     return optax.EmptyState()
 
   def run(updates, states=None, step=None):
