@@ -61,13 +61,13 @@ def _env():
   return dict(os.environ, XLA_FLAGS="", PYTHON=sys.executable)
 
 
-def _call(script: str, *args: str) -> subprocess.CompletedProcess:
-  """``benchmarks/<script>`` with ``args``, as it exited."""
+def _call(script: str, *args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+  """``benchmarks/<script>`` with ``args`` run in ``cwd``, as it exited."""
   return subprocess.run(
     [sys.executable, str(ROOT / "benchmarks" / script), *args],
     capture_output=True,
     text=True,
-    cwd=ROOT,
+    cwd=cwd,
     timeout=600,
     env=_env(),
   )
@@ -249,23 +249,16 @@ def test_at_scale_reads_a_users_model_function_and_its_target_part(tmp_path):
     "           'embed': P()}\n"
     "  return params, specs\n"
   )
-  result = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "benchmarks" / "at_scale.py"),
-      "--model",
-      "user_model:abstract",
-      "--modes",
-      "duplicated",
-      "--dtype",
-      "fp32",
-      "--json",
-    ],
-    capture_output=True,
-    text=True,
+  result = _call(
+    "at_scale.py",
+    "--model",
+    "user_model:abstract",
+    "--modes",
+    "duplicated",
+    "--dtype",
+    "fp32",
+    "--json",
     cwd=tmp_path,
-    timeout=600,
-    env=_env(),
   )
   assert result.returncode == 0, result.stderr[-2000:]
   (record,) = [json.loads(line) for line in result.stdout.splitlines()]
