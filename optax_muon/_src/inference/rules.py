@@ -60,10 +60,15 @@ def _not_a_matrix(leaf, uses: AbstractSet, kinds: set):
   return None
 
 
-def _without_batch_axes(path, uses: AbstractSet, output, reason: str):
+def _without_batch_axes(
+  path, uses: AbstractSet, reduction, output, reason: str
+):
   """``(output axes, reason)`` with the output axes that are batch axes
   taken out: indexed apart, another matmul's batch (experts), or, where
-  the structure leaves a tie, a free axis under an expert/moe name."""
+  the structure leaves a tie, a free axis under an expert/moe name that
+  stands before the fan-in (experts are stacked in front of their matrices,
+  ``(E, in, out)``, ``(E, layers, in, out)``; an attention projection's
+  heads axis comes after its fan-in, ``(in, layers, heads, head_dim)``)."""
   for kind, why in (
     ("split", "indexed apart after the matmul (its parts are used separately)"),
     ("expert", "a batch dim of another parameter's matmul (an expert axis)"),
@@ -77,7 +82,7 @@ def _without_batch_axes(path, uses: AbstractSet, output, reason: str):
       )
   # a name breaks a tie the structure leaves open; it never overrides it
   classed = _axes.union(*[u.output for u in uses if u.kind == "attention"])
-  undecided = output - classed
+  undecided = {a for a in output - classed if a < min(reduction, default=0)}
   if (
     len(output) > 1
     and undecided
@@ -155,7 +160,7 @@ def decide(
     if role == "conv"
     else "contracting dims are the fan-in"
   )
-  output, reason = _without_batch_axes(path, uses, output, reason)
+  output, reason = _without_batch_axes(path, uses, reduction, output, reason)
   adam = _adam_reason(
     tuple(jnp.shape(leaf)), reduction, output, index, heads, vocab
   )
