@@ -22,7 +22,7 @@ from optax_muon._src.views import layout
 HEADS, HEAD_DIM, WIDTH, FFN = 4, 8, 32, 64
 SPLITS = dict(
   split_qkv=om.SplitQKV(num_heads=HEADS, num_kv_heads=HEADS, head_dim=HEAD_DIM),
-  split_gate_up=om.SplitGateUp(groups=4),
+  split_gate_up=om.SplitGateUp(),  # [gate | up]: no shard holds both
 )
 
 
