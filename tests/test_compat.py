@@ -366,3 +366,31 @@ def test_tensor_parallel_through_compat_equals_unsharded():
       if mode == "blockwise" and name != "b":
         continue  # blockwise orthogonalizes each shard: another update
       assert _relative(got[name], expected[name]) <= 1e-5, (mode, name)
+
+
+def test_dimension_numbers_are_read_by_path_against_nnx_params():
+  # MaxText hands optax a plain dict of dimension numbers for its NNX
+  # params; optax needs one pytree structure, om.muon and compat read paths
+  from flax import nnx
+
+  model = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+  state = nnx.state(model, nnx.Param)
+  muon_kernel = {
+    "kernel": compat.MuonDimensionNumbers(reduction_axis=0, output_axis=1),
+    "bias": None,
+  }
+  keys = iter(jax.random.split(jax.random.key(4), 2))
+  grads = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape), state)
+  plain = state.to_pure_dict()
+  plain_grads = grads.to_pure_dict()
+
+  def update(dims, grads, params):
+    tx = compat.muon(0.02, muon_weight_dimension_numbers=dims)
+    return tx.update(grads, tx.init(params), params)[0]
+
+  got = update(muon_kernel, grads, state).to_pure_dict()
+  want = update(muon_kernel, plain_grads, plain)
+  chex.assert_trees_all_close(got, want, atol=0)
+  # and the kernel was Muon's, not Adam's
+  adam = update({"kernel": None, "bias": None}, plain_grads, plain)
+  assert np.abs(np.asarray(want["kernel"] - adam["kernel"])).max() > 1e-3

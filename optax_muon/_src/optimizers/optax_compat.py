@@ -12,6 +12,7 @@ from optax.contrib import MuonDimensionNumbers
 from optax.contrib import MuonState
 
 from optax_muon._src.base import checks as _checks
+from optax_muon._src.base import paths as _paths
 from optax_muon._src.base import types
 from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import coefficients as coefficients_lib
@@ -304,7 +305,13 @@ def _labels_and_dims(dims_or_fn):
   Without dimension numbers 2-D leaves go to Muon and the rest to Adam; with
   them (a tree, a prefix of the params' tree, or a callable), a
   ``MuonDimensionNumbers`` sends its subtree to Muon and ``None`` to Adam.
+  The tree is read by path, as ``om.muon`` reads it: a plain dict names the
+  leaves of an ``nnx.State`` (MaxText's dimension numbers against its NNX
+  params), where optax needs the same pytree structure.
   """
+  lookup = _paths.PathLookup(
+    "muon_weight_dimension_numbers", dims_or_fn, MuonDimensionNumbers
+  )
 
   def muon_dims(params):
     """One entry per leaf: its dims, or None (Adam). Inside the partition the
@@ -313,12 +320,9 @@ def _labels_and_dims(dims_or_fn):
       return jax.tree.map(
         lambda x: MuonDimensionNumbers() if x.ndim == 2 else None, params
       )
-    return jax.tree.map(
-      lambda d, sub: jax.tree.map(lambda _: d, sub),
-      _resolve(dims_or_fn, params),
-      params,
-      is_leaf=lambda x: x is None or _is_dims(x),
-    )
+    dims_of = lookup.resolve(params)
+    pairs, treedef = _paths.leaves_with_paths(params)
+    return jax.tree.unflatten(treedef, [dims_of(path) for path, _ in pairs])
 
   def labels(params):
     return jax.tree.map(
