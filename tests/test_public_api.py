@@ -93,12 +93,14 @@ def test_only_an_added_keyword_with_a_default_keeps_calls_working():
 
 def test_nothing_but_the_public_names_is_a_package_attribute():
   # modules are private (optax_muon._src); compat is the one public module
+  # and integrations the public package of the trainers' adapters (an
+  # attribute once imported)
   attributes = {
     name
     for name in vars(om)
     if not name.startswith("_") and inspect.ismodule(getattr(om, name))
   }
-  assert attributes <= {"compat"}, sorted(attributes)
+  assert attributes <= {"compat", "integrations"}, sorted(attributes)
 
 
 if __name__ == "__main__":
