@@ -390,3 +390,20 @@ def test_adaptive_muon_splits_a_fused_kernel_sharded_along_its_fan_out(mode):
     if getattr(x, "ndim", 0) >= 2 and x.shape[-1] >= 64
   ]
   assert moments and all(spec[-1] == "model" for spec in moments), moments
+
+
+def test_jax_0_12s_default_mesh_needs_no_sharding():
+  # jax >= 0.12: jax.make_mesh's axes are Explicit unless told otherwise
+  if (
+    jax.sharding.AxisType.Explicit not in jax.make_mesh((8,), ("x",)).axis_types
+  ):
+    pytest.skip("this jax's make_mesh defaults to Auto axes (before 0.12)")
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  params, specs = _dict_tree()
+  tx = om.muon(0.02, precision="highest", dimension_numbers="leading")
+  with jax.set_mesh(mesh):
+    got = _three_updates(tx, _placed(params, specs, mesh))
+  want = _three_updates(tx, params)
+  for step in range(3):
+    for name in params:
+      np.testing.assert_allclose(got[step][name], want[step][name], atol=1e-5)
