@@ -116,3 +116,39 @@ def test_install_puts_get_optimizer_in_maxtexts_place_and_uninstall_restores():
   finally:
     adapter.uninstall()
   assert optimizers.get_optimizer is own
+
+
+def test_the_callers_keywords_win_over_maxtexts_settings():
+  import types
+
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from maxtext.common.common_types import DecoderBlockType
+
+  from optax_muon.integrations import maxtext as adapter
+
+  config = types.SimpleNamespace(
+    opt_type="muon",
+    decoder_block=DecoderBlockType.LLAMA2,
+    muon_beta=0.95,
+    muon_weight_decay=0.0,
+    muon_consistent_rms=None,
+    muon_include_routers=True,
+    mu_dtype=None,
+    adam_b1=0.9,
+    adam_b2=0.95,
+    adam_eps=1e-8,
+    adam_eps_root=0.0,
+    adam_weight_decay=0.0,
+  )
+  model = nnx.Linear(256, 256, use_bias=False, rngs=nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  # MaxText's config says mu_dtype=None (the param dtype, float32 here)
+  tx = adapter.get_optimizer(config, 0.01, model=model, mu_dtype="bfloat16")
+  dtypes = {x.dtype for x in jax.tree.leaves(tx.init(params))}
+  assert jnp.dtype(jnp.bfloat16) in dtypes, dtypes  # the momentum's
+  plain = adapter.get_optimizer(config, 0.01, model=model)
+  assert jnp.dtype(jnp.bfloat16) not in {
+    x.dtype for x in jax.tree.leaves(plain.init(params))
+  }

@@ -95,8 +95,8 @@ def get_optimizer(
       parallelism (each device works on what it holds).
     tp_mode: the ``om.TensorParallel`` mode over ``tp_axis``.
     tp_axis: the tensor-parallel mesh axis.
-    **options: more keywords of ``optax_muon.compat.muon`` (``precision``,
-      ``method``, ...).
+    **options: keywords of ``optax_muon.compat.muon``, over MaxText's
+      settings (``precision``, ``method``, ``mu_dtype``, ...).
 
   Returns:
     What MaxText's ``get_optimizer`` returns, for ``opt_type=muon`` with
@@ -124,8 +124,7 @@ def get_optimizer(
   dims = nnx.to_pure_dict(
     muon_utils.get_muon_weight_dimension_numbers(model, config)
   )
-  tx = compat.muon(
-    learning_rate_schedule,
+  settings = dict(
     ns_coeffs=ns_coeffs,
     ns_steps=ns_steps,
     beta=config.muon_beta,
@@ -139,8 +138,10 @@ def get_optimizer(
     muon_weight_dimension_numbers=dims,
     consistent_rms=config.muon_consistent_rms,
     sharding=sharding,
-    **options,
   )
+  # what the caller passes wins over MaxText's config (mu_dtype=,
+  # precision=, ...)
+  tx = compat.muon(learning_rate_schedule, **(settings | options))
   return _wrapped(config, tx, optimizers)
 
 
