@@ -23,6 +23,7 @@ wrappers are applied as MaxText applies them. MaxText is imported when
 import functools
 from typing import Any
 
+import jax
 import optax
 
 from optax_muon import TensorParallel
@@ -65,8 +66,6 @@ def param_specs(model, mesh, config) -> Any:
 
 
 def _specs_of(tree):
-  import jax  # noqa: PLC0415
-
   return jax.tree.map(
     lambda s: s.spec,
     tree,
@@ -159,8 +158,6 @@ def _wrapped(config, tx, optimizers) -> optax.GradientTransformation:
   )
   if frozen is None:
     return tx
-  import jax  # noqa: PLC0415
-
   return optax.multi_transform(
     {"trainable": tx, "frozen": optax.set_to_zero()},
     lambda params: jax.tree.map(

@@ -132,11 +132,11 @@ def muon_bp(
   full = alias.muon(learning_rate, **muon_kwargs)
   # without sharding=, the blocks are the shards the params' types name
   # (none for arrays on no Explicit mesh: then a block step is Muon's)
+  base = sharding or TensorParallel(mesh=None)
   # each shard alone wherever the shards are whole matrices (blockwise is
   # the cheapest mode, so auto takes it); a fused [gate | up] or [Q | K | V]
   # split along its fan-out, which no shard holds whole, is orthogonalized
   # whole on every step, in the exact mode of least modeled time
-  base = sharding or TensorParallel(mesh=None)
   blockwise = (
     dataclasses.replace(base, mode="blockwise", auto_modes=EXACT_MODES)
     if base.mesh is not None and base.resolved_rates() is None

@@ -270,16 +270,8 @@ def types_mesh(leaves) -> jax.sharding.AbstractMesh | None:
       axes are partly Auto (their shardings are not in the types).
   """
   meshes = []
-  for leaf in leaves:
-    sharding = getattr(jax.typeof(leaf), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if (
-      mesh is None
-      or mesh.empty
-      or jax.sharding.AxisType.Explicit not in mesh.axis_types
-    ):
-      continue
-    if mesh not in meshes:
+  for mesh in map(layout.explicit_mesh, leaves):
+    if mesh is not None and mesh not in meshes:
       meshes.append(mesh)
   if not meshes:
     return None

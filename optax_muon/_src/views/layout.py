@@ -248,19 +248,27 @@ class MatrixView:
     return jnp.transpose(flat.reshape(permuted_shape), inverse)
 
 
-def explicit_sharding(x) -> jax.sharding.NamedSharding | None:
-  """``x``'s sharding where its type splits it over a mesh's Explicit axes
-  (jax's sharding in types), else None (unsharded, Auto, or inside
+def explicit_mesh(x):
+  """The mesh ``x``'s type places it on where that mesh has Explicit axes
+  (jax's sharding in types), else None (no mesh, an Auto one, or inside
   ``shard_map``, where the axes are Manual)."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
   if (
-    sharding is None
-    or mesh is None
+    mesh is None
     or mesh.empty
     or jax.sharding.AxisType.Explicit not in mesh.axis_types
-    or not any(entry is not None for entry in sharding.spec)
   ):
+    return None
+  return mesh
+
+
+def explicit_sharding(x) -> jax.sharding.NamedSharding | None:
+  """``x``'s sharding where its type splits it over a mesh's Explicit axes
+  (``explicit_mesh``), else None."""
+  if explicit_mesh(x) is None:
+    return None
+  sharding = jax.typeof(x).sharding
+  if not any(entry is not None for entry in sharding.spec):
     return None
   return sharding
 
