@@ -3,14 +3,16 @@ TPU compiler for a TPU topology without a TPU, with each optimizer:
 
     python benchmarks/maxtext_compile.py [--model llama2-7b] [--topology v5p-8]
         [--tp 4] [--fsdp 1] [--modes adamw,maxtext_muon,auto]
+        [--routing auto] [--layers N] [MAXTEXT_ARGUMENT ...]
 
 Each row runs MaxText 0.2.5's unmodified ``train_compile.py`` in a process of
-its own: ``adamw`` and ``maxtext_muon`` (MaxText's ``opt_type=muon``, which
-is ``optax.contrib.muon`` partitioned by XLA) as MaxText builds them, and
-every other name as a ``tp_mode`` of optax_muon after
-``optax_muon.integrations.maxtext.install(tp_mode=...)``. Prints one JSON
-line per row: the compiler's per-chip temporaries and arguments (GiB), its
-refusal if the step does not fit, and the temporaries over AdamW's.
+its own, through ``python -m optax_muon.integrations.maxtext``: ``adamw``
+and ``maxtext_muon`` (MaxText's ``opt_type=muon``, which is
+``optax.contrib.muon`` partitioned by XLA) as MaxText builds them
+(``--maxtexts-own``), every other name as a ``tp_mode`` of optax_muon
+installed with ``--routing``. Prints one JSON line per row: the compiler's
+per-chip arguments, temporaries and peak (GiB), its refusal if the step does
+not fit, and the temporaries and peak against AdamW's.
 
 Needs MaxText (``pip install -e ".[maxtext]" && pip install --no-deps
 maxtext==0.2.5``) and libtpu (``pip install "jax[tpu]==<your jax>"``),
@@ -26,15 +28,6 @@ import sys
 import tempfile
 
 GIB = 2**30
-RUN = """
-import sys
-from absl import app
-if sys.argv[1] != "maxtext_muon" and sys.argv[1] != "adamw":
-  from optax_muon.integrations import maxtext as adapter
-  adapter.install(tp_mode=sys.argv[1])
-from maxtext.trainers.pre_train import train_compile
-app.run(train_compile.main, argv=["train_compile"] + sys.argv[2:])
-"""
 
 
 def compile_step(mode: str, args) -> dict:
@@ -43,6 +36,8 @@ def compile_step(mode: str, args) -> dict:
   config = os.path.join(
     os.path.dirname(maxtext.__file__), "configs", "base.yml"
   )
+  own = mode in ("adamw", "maxtext_muon")
+  flags = ["--maxtexts-own"] if own else ["--tp-mode", mode]
   with tempfile.TemporaryDirectory() as folder:
     arguments = [
       config,
@@ -56,6 +51,8 @@ def compile_step(mode: str, args) -> dict:
       f"opt_type={'adamw' if mode == 'adamw' else 'muon'}",
       f"base_output_directory={folder}",
       "run_name=compile",
+      *([f"base_num_decoder_layers={args.layers}"] if args.layers else []),
+      *args.maxtext_arguments,
     ]
     env = dict(
       os.environ,
@@ -63,8 +60,10 @@ def compile_step(mode: str, args) -> dict:
       TPU_WORKER_HOSTNAMES="localhost",
       JAX_PLATFORMS="cpu",
     )
+    command = [sys.executable, "-m", "optax_muon.integrations.maxtext"]
     result = subprocess.run(
-      [sys.executable, "-c", RUN, mode, *arguments],
+      [*command, *flags, "--routing", args.routing, "train_compile"]
+      + arguments,
       capture_output=True,
       text=True,
       env=env,
@@ -74,24 +73,27 @@ def compile_step(mode: str, args) -> dict:
   record = {
     "benchmark": "maxtext_compile",
     "model": args.model,
+    "layers": args.layers,
     "topology": args.topology,
     "fsdp": args.fsdp,
     "tp": args.tp,
     "weight_dtype": args.weight_dtype,
     "mode": mode,
+    "routing": None if own else args.routing,
   }
-  stats = re.search(
-    r"argument_size_in_bytes=(\d+).*?temp_size_in_bytes=(\d+)", text
-  )
+  stats = re.search(r"optax_muon\.maxtext_memory (\{.*\})", text)
   if stats is None:
     refused = "RESOURCE_EXHAUSTED" in text or "exceeds" in text
     record.update(compiled=False, resource_exhausted=refused)
     record["error"] = (text.strip().splitlines() or [""])[-1][-300:]
     return record
+  memory = json.loads(stats.group(1))
+  peak = memory["peak_memory_in_bytes"]
   record.update(
     compiled=True,
-    argument_gib=int(stats.group(1)) / GIB,
-    temp_gib=int(stats.group(2)) / GIB,
+    argument_gib=memory["argument_size_in_bytes"] / GIB,
+    temp_gib=memory["temp_size_in_bytes"] / GIB,
+    peak_gib=None if peak is None else peak / GIB,
   )
   return record
 
@@ -104,6 +106,15 @@ def main(argv=None):
   parser.add_argument("--fsdp", type=int, default=1)
   parser.add_argument("--weight-dtype", default="float32")
   parser.add_argument("--modes", default="adamw,maxtext_muon,auto")
+  parser.add_argument(
+    "--routing", default="auto", choices=("auto", "maxtext", "inferred")
+  )
+  parser.add_argument(
+    "--layers", type=int, help="base_num_decoder_layers (default: the model's)"
+  )
+  parser.add_argument(
+    "maxtext_arguments", nargs="*", help="more of MaxText's key=value"
+  )
   args = parser.parse_args(argv)
   records = [compile_step(mode, args) for mode in args.modes.split(",")]
   adamw = next(
@@ -113,6 +124,8 @@ def main(argv=None):
     if adamw and record["compiled"]:
       record["temp_over_adamw"] = record["temp_gib"] / adamw["temp_gib"]
       record["temp_minus_adamw_gib"] = record["temp_gib"] - adamw["temp_gib"]
+      if record["peak_gib"] is not None and adamw["peak_gib"] is not None:
+        record["peak_minus_adamw_gib"] = record["peak_gib"] - adamw["peak_gib"]
     print(json.dumps(record), flush=True)
 
 

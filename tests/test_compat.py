@@ -265,6 +265,28 @@ def test_mu_dtype_bfloat16_matches_and_keeps_a_bfloat16_buffer():
   assert state.inner_states["muon"].inner_state[0].mu["w"].dtype == jnp.bfloat16
 
 
+def test_mu_dtype_8bit_keeps_int8_muon_momentum_near_optaxs_and_adams_as_is():
+  tree = {"w": gaussian((16, 512), 0), "b": gaussian((4,), 1)}
+  ours = compat.muon(0.02, mu_dtype=om.QuantizedMomentum())
+  theirs = optax.contrib.muon(0.02)
+  s_ours, s_theirs = ours.init(tree), theirs.init(tree)
+  mu = s_ours.inner_states["muon"].inner_state[0].mu
+  assert mu.values["w"].dtype == jnp.int8  # the Muon leaf's momentum: 8 bits
+  chex.assert_shape(mu.scales["w"], (16, 2))  # a scale per 256 entries
+  # optax.adamw has no 8-bit buffer: Adam's group keeps the param dtype
+  adam = s_ours.inner_states["adam"].inner_state[0]
+  assert adam.mu["b"].dtype == jnp.float32
+  for t in range(3):
+    grads = jax.tree.map(lambda x: gaussian(x.shape, 100 + t), tree)
+    u_ours, s_ours = jax.jit(ours.update)(grads, s_ours, tree)
+    u_theirs, s_theirs = jax.jit(theirs.update)(grads, s_theirs, tree)
+  # the momentum is rounded to 1/127 of its block's largest entry: by step
+  # 3 the orthogonalized update has moved by 0.3% of its largest entry
+  error = jnp.abs(u_ours["w"] - u_theirs["w"]).max()
+  assert 0 < error < 0.02 * jnp.abs(u_theirs["w"]).max()
+  chex.assert_trees_all_close(u_ours["b"], u_theirs["b"], atol=1e-7)
+
+
 # -- the same state: an optax checkpoint continues here ----------------------
 
 

@@ -17,6 +17,7 @@ from optax_muon._src.base import types
 from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import coefficients as coefficients_lib
 from optax_muon._src.kernels.newton_schulz import PRECONDITIONINGS
+from optax_muon._src.kernels.quantize import QuantizedMomentum
 from optax_muon._src.parallel import offload
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.transforms import scaling
@@ -188,7 +189,8 @@ def scale_by_muon(
     ns_steps: Newton–Schulz steps (ignored for a tuple of triples).
     beta: momentum decay.
     eps: added to the norm before the iteration.
-    mu_dtype: momentum dtype (``None``: the param's).
+    mu_dtype: momentum dtype (``None``: the param's); ``om.QuantizedMomentum()``
+      stores it in 8 bits (extra).
     nesterov: Nesterov momentum.
     adaptive: scale by the dual norm ``⟨u, O⟩`` (Bernstein et al.).
     preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"`` or
@@ -214,7 +216,7 @@ def scale_by_muon(
   """
   rows, steps = _coefficient_rows(ns_coeffs, ns_steps)
   _checks.check_choice("preconditioning", preconditioning, PRECONDITIONINGS)
-  canonical_dtype("mu_dtype", mu_dtype)
+  canonical_dtype("mu_dtype", mu_dtype, quantized=True)
   if not isinstance(adaptive, bool):
     raise TypeError(f"adaptive must be a bool, got {adaptive!r}")
   momentum = momentum_transform(
@@ -381,7 +383,9 @@ def muon(
     eps: Muon's norm eps and Adam's eps.
     weight_decay: decoupled weight decay of the Muon leaves (times lr).
     weight_decay_mask: a tree or callable of bools for it.
-    mu_dtype: momentum dtype for both groups.
+    mu_dtype: momentum dtype for both groups; ``om.QuantizedMomentum()``
+      (extra) stores the Muon leaves' momentum in 8 bits (int8 and a scale
+      per block) and leaves Adam's in the param dtype.
     nesterov: Nesterov momentum for both groups.
     adaptive: scale Muon updates by the dual norm ``⟨u, O⟩``.
     preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"`` or
@@ -467,7 +471,8 @@ def muon(
         eps=eps,
         eps_root=adam_eps_root,
         weight_decay=adam_weight_decay,
-        mu_dtype=mu_dtype,
+        # optax.adamw has no 8-bit buffer: its group keeps the param dtype
+        mu_dtype=None if isinstance(mu_dtype, QuantizedMomentum) else mu_dtype,
         nesterov=nesterov,
       ),
     },
