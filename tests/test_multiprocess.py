@@ -3,7 +3,7 @@ forming one (2, 4) mesh with gloo collectives, against one process with 8."""
 
 import chex
 import jax
-import multiprocess
+import local_processes
 import multiprocess_cases as cases
 import numpy as np
 import pytest
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 def test_muon_across_two_processes_equals_one_process():
   # one launch for everything (a launch costs seconds): every tp mode on both
   # layouts, the data-axis split of the work, ZeRO-1, and logging
-  first, second = multiprocess.run("multiprocess_cases:everything")
+  first, second = local_processes.run("multiprocess_cases:everything")
   params, _ = cases.tree()
   plain = om.scale_by_muon(
     split_qkv={"qkv": cases.SPLIT}, dimension_numbers="leading"

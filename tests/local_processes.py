@@ -1,6 +1,6 @@
 """Runs a function in several local JAX processes that form one global mesh.
 
-    results = multiprocess.run("module:function", processes=2, local_devices=4)
+    results = local_processes.run("module:function", processes=2, local_devices=4)
 
 Each process is a fresh Python with ``local_devices`` CPU devices, joined to
 the others by ``jax.distributed.initialize`` (a coordinator on a free
