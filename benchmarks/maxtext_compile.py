@@ -51,7 +51,11 @@ def compile_step(mode: str, args) -> dict:
       f"opt_type={'adamw' if mode == 'adamw' else 'muon'}",
       f"base_output_directory={folder}",
       "run_name=compile",
-      *([f"base_num_decoder_layers={args.layers}"] if args.layers else []),
+      *(
+        ["override_model_config=true", f"base_num_decoder_layers={args.layers}"]
+        if args.layers
+        else []
+      ),
       *args.maxtext_arguments,
     ]
     env = dict(

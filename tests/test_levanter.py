@@ -1,7 +1,7 @@
 """optax_muon.integrations.levanter: ``type: optax_muon`` in a Levanter
 optimizer config trains Levanter's own Llama (haliax, scanned layers) as
 Levanter's ``type: muon`` does. Needs Levanter beside our jax (Python 3.11,
-jax 0.10.2: pip install -e ".[test,levanter]"; CI's third run)."""
+jax 0.10.2: pip install -e ".[test,levanter,tunix]", CI's third run)."""
 
 import pytest
 

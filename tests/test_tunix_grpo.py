@@ -1,0 +1,60 @@
+"""examples/tunix_grpo, small: Tunix's own GRPO learner trains a Llama from
+Tunix's model code with om.muon for 20 steps; Tunix logs the injected
+learning rate. Needs Tunix (pip install -e ".[test,levanter,tunix]", CI's
+third run)."""
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("tunix")
+pytestmark = pytest.mark.integration
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from examples.tunix_grpo import policy  # noqa: E402
+from examples.tunix_grpo import train  # noqa: E402
+
+SMALL = train.Config(sft_steps=60, grpo_steps=20, test_problems=8)
+
+
+def test_tunix_grpo_learner_runs_20_steps_of_muon(tmp_path):
+  cfg = dataclasses.replace(SMALL, out_dir=str(tmp_path))
+  result = train.run(cfg)
+  assert result["grpo_steps"] == 20
+  # Tunix logged the lr that inject_hyperparams holds after each step (the
+  # next step's): the example's schedule, warm-up over 10 steps, then decay
+  # (its last entry repeats the one before: Tunix logs it before the last
+  # update lands)
+  np.testing.assert_allclose(
+    result["learning_rate"][:19],
+    [float(train.schedule(cfg)(count)) for count in range(1, 20)],
+    rtol=1e-6,
+  )
+  assert all(np.isfinite(result["loss"]))
+  assert (tmp_path / "final.json").exists()
+
+
+def test_the_actors_matrices_go_to_muon_by_the_layout():
+  model = policy.make_model(layers=1, width=32, seed=0)
+  tx = train.muon(SMALL, model)
+  params = nnx.state(model, nnx.Param)
+  state = tx.init(params)
+  # the layout infer_layout reads: the q, k, v, o einsums and the MLP are
+  # matrices, the embedding, the head and the norms AdamW's
+  import optax_muon as om
+
+  layout = om.infer_layout(model, *policy.example_inputs(model))
+  labels = jax.tree.leaves(nnx.to_pure_dict(layout.labels))
+  assert labels.count("muon") == 7, labels  # q, k, v, o, gate, up, down
+  grads = jax.tree.map(
+    lambda x: jax.random.normal(jax.random.key(1), x.shape, x.dtype), params
+  )
+  updates, _ = tx.update(grads, state, params)
+  kernel = nnx.to_pure_dict(updates)["layers"][0]["mlp"]["down_proj"]["kernel"]
+  # Muon's update of a matrix has equal singular values (its polar factor)
+  singular = jnp.linalg.svd(kernel, compute_uv=False)
+  assert float(singular.min() / singular.max()) > 0.6
