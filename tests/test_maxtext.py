@@ -104,18 +104,21 @@ def _losses(tmp_path, model, fsdp, tp, *flags):
 
 
 @pytest.mark.parametrize(
-  "model, fsdp, tp, mode",
+  "model, fsdp, tp, mode, routing",
   [
-    ("llama2", 1, 4, "duplicated"),
-    ("llama2", 2, 2, "auto"),
-    ("qwen3", 2, 2, "auto"),
-    ("deepseek3", 2, 2, "auto"),
+    ("llama2", 1, 4, "duplicated", "auto"),
+    ("llama2", 2, 2, "auto", "auto"),
+    ("qwen3", 2, 2, "auto", "auto"),
+    # MLA and experts, their matrices read by om.infer_layout
+    ("deepseek3", 2, 2, "auto", "inferred"),
   ],
 )
 def test_installed_muon_trains_as_maxtexts_own_in_an_exact_mode(
-  tmp_path, model, fsdp, tp, mode
+  tmp_path, model, fsdp, tp, mode, routing
 ):
-  ours = _losses(tmp_path / "ours", model, fsdp, tp, "--tp-mode", mode)
+  ours = _losses(
+    tmp_path / "ours", model, fsdp, tp, "--tp-mode", mode, "--routing", routing
+  )
   theirs = _losses(tmp_path / "theirs", model, fsdp, tp, "--maxtexts-own")
   np.testing.assert_allclose(ours, theirs, **TOLERANCE.get(model, _EXACT))
   assert ours[-1] < ours[0] - 1.0  # it trains: llama2 7.46 -> 3.48
@@ -242,8 +245,7 @@ def test_inferred_routing_agrees_with_maxtexts_table_on_mistral():
   listed = lambda tree: dict(
     jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_dims)
   )
-  with jax.set_mesh(mesh):
-    ours = listed(adapter.dimension_numbers(model, config))
+  ours = listed(adapter.dimension_numbers(model, config, mesh=mesh))
   from flax import nnx
 
   table = listed(

@@ -32,6 +32,7 @@ From a shell, MaxText's trainers with optax_muon installed::
         train|train_compile maxtext/configs/base.yml opt_type=muon ...
 """
 
+import contextlib
 import functools
 import math
 import typing
@@ -107,11 +108,15 @@ def _specs_of(tree):
   )
 
 
-def dimension_numbers(model, config, routing: Routing = "auto") -> Any:
+def dimension_numbers(
+  model, config, routing: Routing = "auto", mesh=None
+) -> Any:
   """Each param's Muon dimension numbers (``None``: Adam), as a plain dict by
   path: ``"maxtext"``: MaxText's own table; ``"inferred"``: read by
   ``om.infer_layout`` from the model's forward pass (traced, not run);
-  ``"auto"``: MaxText's table for ``TESTED_BLOCKS``, inferred elsewhere."""
+  ``"auto"``: MaxText's table for ``TESTED_BLOCKS``, inferred elsewhere.
+  The model is traced on ``mesh`` under MaxText's logical-axis rules, as its
+  train step runs it (its experts' ``shard_map`` reads both)."""
   from flax import nnx  # noqa: PLC0415
 
   _checks.check_choice("routing", routing, ROUTINGS)
@@ -126,20 +131,31 @@ def dimension_numbers(model, config, routing: Routing = "auto") -> Any:
   import jax.numpy as jnp  # noqa: PLC0415
 
   tokens = jax.ShapeDtypeStruct((1, config.max_target_length), jnp.int32)
+  from flax.linen import partitioning  # noqa: PLC0415
+
   try:
-    layout = infer_layout(
-      model,
-      tokens,
-      tokens,  # positions
-      decoder_segment_ids=tokens,
-      enable_dropout=False,
-    )
+    with (
+      contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh),
+      partitioning.axis_rules(config.logical_axis_rules),
+    ):
+      layout = infer_layout(
+        model,
+        tokens,
+        tokens,  # positions
+        decoder_segment_ids=tokens,
+        enable_dropout=False,
+      )
   except Exception as error:
+    why = (
+      "routing='inferred'"
+      if routing == "inferred"
+      else f"decoder_block={_block_name(config)!r} is not one MaxText "
+      f"vetted its Muon table for ({', '.join(TESTED_BLOCKS)})"
+    )
     raise ValueError(
-      f"decoder_block={_block_name(config)!r} is not one MaxText vetted "
-      f"its Muon table for ({', '.join(TESTED_BLOCKS)}), and "
-      "om.infer_layout could not trace the model to read its matrices; "
-      "pass muon_weight_dimension_numbers= to get_optimizer/install"
+      f"{why}, and om.infer_layout could not trace the model to read its "
+      "matrices (the error above); pass muon_weight_dimension_numbers= "
+      "to get_optimizer/install, or routing='maxtext'"
     ) from error
   is_dims = lambda x: x is None or hasattr(x, "reduction_axis")
   dims, treedef = jax.tree.flatten(
@@ -274,7 +290,7 @@ def get_optimizer(
   if "muon_weight_dimension_numbers" in options:
     dims = options["muon_weight_dimension_numbers"]
   else:
-    dims = dimension_numbers(model, config, routing)
+    dims = dimension_numbers(model, config, routing, mesh)
   settings = dict(
     ns_coeffs=ns_coeffs,
     ns_steps=ns_steps,
