@@ -18,7 +18,9 @@ from flax import nnx  # noqa: E402
 from examples.tunix_grpo import policy  # noqa: E402
 from examples.tunix_grpo import train  # noqa: E402
 
-SMALL = train.Config(sft_steps=60, grpo_steps=20, test_problems=8)
+SMALL = train.Config(
+  sft_steps=60, grpo_steps=20, prompts_per_step=4, group_size=4, test_problems=8
+)
 
 
 def test_tunix_grpo_learner_runs_20_steps_of_muon(tmp_path):
