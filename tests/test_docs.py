@@ -546,3 +546,40 @@ def test_the_61_layer_deepseek_rows_are_the_recorded_compiles():
   assert row("| 61 layers, 8-bit momentum, donated")[2] == (
     f"{eight['pgs_gib']:.1f} / {eight['temp_gib']:.2f}"
   )
+
+
+MAXTEXT_ROWS = {  # the table's row label: its results/maxtext file and mesh
+  "Llama-2-7B, v5p-8, TP 4": ("llama2_7b_v5p_8", 1, 4),
+  "Llama-2-7B, v5p-8, FSDP 4": ("llama2_7b_v5p_8", 4, 1),
+  "Llama-3-70B, v5p-16 (8 chips), TP 8": ("llama3_70b_v5p_16", 1, 8),
+  "Llama-3-70B, v5p-64 (32 chips), FSDP 4 × TP 8": ("llama3_70b_v5p_64", 4, 8),
+  "DeepSeek-V3, 5 layers, v5p-16, TP 8": ("deepseek3_5layers_v5p_16", 1, 8),
+}
+
+
+def test_the_maxtext_compile_table_is_the_recorded_one():
+  """docs/libraries.md's MaxText table quotes benchmarks/maxtext_compile.py's
+  rows (results/maxtext/): temporaries / peak, GiB to 2 decimals."""
+  page = (ROOT / "docs" / "libraries.md").read_text()
+  section = page.split("**MaxText's own whole train step**")[1].split("```")[0]
+  seen = set()
+  for line in section.splitlines():
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    label = next((k for k in MAXTEXT_ROWS if cells[0].startswith(k)), None)
+    if label is None:
+      continue
+    name, fsdp, tp = MAXTEXT_ROWS[label]
+    path = ROOT / "results" / "maxtext" / f"{name}.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    by_mode = {r["mode"]: r for r in rows if (r["fsdp"], r["tp"]) == (fsdp, tp)}
+    for cell, mode in zip(cells[1:], ("adamw", "maxtext_muon", "auto")):
+      row = by_mode[mode]
+      if not row["compiled"]:
+        assert row["resource_exhausted"] and cell.startswith("refused")
+        continue
+      assert cell == f"{row['temp_gib']:.2f} / {row['peak_gib']:.2f}", (
+        label,
+        mode,
+      )
+    seen.add(label)
+  assert seen == set(MAXTEXT_ROWS)
