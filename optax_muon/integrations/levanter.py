@@ -26,6 +26,7 @@ from levanter.optim import MuonConfig
 from levanter.optim import OptimizerConfig
 
 import optax_muon as om
+from optax_muon._src.base.paths import path_names
 
 # Levanter's update scale with use_kimi_scaling (Moonlight's 0.2·√max)
 KIMI_RMS = 0.2
@@ -35,7 +36,7 @@ def linear_dimension_numbers(params):
   """Each Linear weight's ``MuonDimensionNumbers`` from its named axes (its
   ``In`` axes reduced, its ``Out`` axes the output, any other axis a batch
   of matrices); ``None`` for every other leaf."""
-  dims = {}
+  dims = {}  # by path names, so the masked params of a group match too
 
   def visit(path, node):
     if isinstance(node, haliax.nn.Linear) and haliax.is_named_array(
@@ -46,25 +47,19 @@ def linear_dimension_numbers(params):
         names.index(axis.name) for axis in haliax.axis.ensure_tuple(axes)
       )
       for leaf_path, _ in jax.tree_util.tree_leaves_with_path(node.weight):
-        dims[path + ("weight",) + leaf_path] = om.MuonDimensionNumbers(
-          reduction_axis=among(node.In), output_axis=among(node.Out)
+        dims[path_names((*path, "weight", *leaf_path))] = (
+          om.MuonDimensionNumbers(
+            reduction_axis=among(node.In), output_axis=among(node.Out)
+          )
         )
     return node
 
   is_linear = lambda x: isinstance(x, haliax.nn.Linear)
   jax.tree_util.tree_map_with_path(visit, params, is_leaf=is_linear)
-  by_name = {_names(path): entry for path, entry in dims.items()}
   return jax.tree_util.tree_map_with_path(
-    lambda path, _: by_name.get(_names(path)),
+    lambda path, _: dims.get(path_names(path)),
     params,
     is_leaf=lambda x: isinstance(x, optax.MaskedNode),
-  )
-
-
-def _names(path) -> tuple[str, ...]:
-  return tuple(
-    str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", key))))
-    for key in path
   )
 
 
