@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import chex
 import numpy as np
 import pytest
 
@@ -53,7 +54,7 @@ TOLERANCE = {"deepseek3": {"rtol": 5e-4}}
 _EXACT = {"atol": 1e-3}
 
 
-def _run(tmp_path, model, fsdp, tp, *flags):
+def _run(tmp_path, model, fsdp, tp, *flags, extra=()):
   """MaxText's train.py through the adapter's command; its result."""
   tmp_path.mkdir(parents=True, exist_ok=True)
   arguments = [
@@ -76,6 +77,7 @@ def _run(tmp_path, model, fsdp, tp, *flags):
     f"ici_tensor_parallelism={tp}",
     "opt_type=muon",
     "learning_rate=0.003",
+    *extra,
   ]
   env = dict(
     os.environ,
@@ -93,9 +95,9 @@ def _run(tmp_path, model, fsdp, tp, *flags):
   )
 
 
-def _losses(tmp_path, model, fsdp, tp, *flags):
+def _losses(tmp_path, model, fsdp, tp, *flags, extra=()):
   """The losses MaxText wrote, step by step, at full precision."""
-  result = _run(tmp_path, model, fsdp, tp, *flags)
+  result = _run(tmp_path, model, fsdp, tp, *flags, extra=extra)
   assert result.returncode == 0, result.stderr[-3000:]
   with open(tmp_path / "metrics.jsonl") as lines:
     losses = [json.loads(line)["learning/loss"] for line in lines]
@@ -149,6 +151,23 @@ def test_8bit_momentum_trains_on_fsdp_and_tp(tmp_path):
   # the momentum is rounded, not lost: within 2% of float32's losses
   np.testing.assert_allclose(quantized, full, rtol=2e-2)
   assert not np.array_equal(quantized, full)  # and it is 8-bit that ran
+
+
+def test_8bit_state_offloaded_to_the_host_trains_as_on_the_device(tmp_path):
+  # MaxText's optimizer_memory_host_offload keeps the state in host memory
+  # and moves it to the device inside the step, by the state's shardings:
+  # the 8-bit scales' fitted ones among them
+  flags = ("--tp-mode", "auto", "--mu-dtype", "8bit")
+  offloaded = _losses(
+    tmp_path / "host",
+    "llama2",
+    2,
+    2,
+    *flags,
+    extra=("optimizer_memory_host_offload=true",),
+  )
+  on_device = _losses(tmp_path / "device", "llama2", 2, 2, *flags)
+  np.testing.assert_array_equal(offloaded, on_device)
 
 
 def _config(model, *overrides):
@@ -227,6 +246,54 @@ def test_8bit_state_is_sharded_wherever_its_param_is(axes):
         assert not leaf.sharding.is_fully_replicated, (part, path)
         checked += 1
   assert checked == 2 * 7  # q, k, v, out, wi_0, wi_1, wo
+
+
+def test_without_a_mesh_passed_the_optimizer_finds_maxtexts():
+  # MaxText's SFT trainer builds its optimizer inside jax.set_mesh(mesh),
+  # its DPO trainer from a model placed on the mesh; neither passes mesh=
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from maxtext.utils import model_creation_utils
+
+  from optax_muon.integrations import maxtext as adapter
+
+  config = _config(
+    "llama2",
+    "opt_type=muon",
+    "ici_fsdp_parallelism=4",
+    "ici_tensor_parallelism=2",
+  )
+  model, mesh = model_creation_utils.from_pretrained(config)
+  assert adapter.mesh_of(model) == mesh
+  unplaced = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+  assert adapter.mesh_of(unplaced) is None
+  with jax.set_mesh(mesh):
+    assert adapter.mesh_of(unplaced) == mesh
+
+  def updated(tp_mode="blockwise", **found):
+    # blockwise orthogonalizes each TP shard alone: its numbers say
+    # whether the optimizer ran over the mesh
+    tx = adapter.get_optimizer(config, 0.01, model, tp_mode=tp_mode, **found)
+    trained = nnx.clone(model)
+    optimizer = nnx.Optimizer(trained, tx, wrt=nnx.Param)
+    grads = jax.tree.map(
+      lambda p: jnp.sin(7.0 * p), nnx.state(trained, nnx.Param)
+    )
+    optimizer.update(trained, grads)
+    return nnx.to_pure_dict(nnx.state(trained, nnx.Param))
+
+  given = updated(mesh=mesh)
+  from_placed = updated()  # DPO's call
+  with jax.set_mesh(mesh):
+    from_current = updated()  # SFT's call
+  unsharded = updated(tp_mode="duplicated", mesh=mesh)
+  chex.assert_trees_all_close(from_placed, given, atol=0, rtol=0)
+  chex.assert_trees_all_close(from_current, given, atol=0, rtol=0)
+  apart = jax.tree.map(
+    lambda a, b: float(jnp.abs(a - b).max()), given, unsharded
+  )
+  assert max(jax.tree.leaves(apart)) > 1e-4
 
 
 def test_inferred_routing_agrees_with_maxtexts_table_on_mistral():

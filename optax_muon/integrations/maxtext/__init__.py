@@ -174,6 +174,29 @@ def dimension_numbers(
   )
 
 
+def mesh_of(model) -> jax.sharding.Mesh | None:
+  """The mesh MaxText trains ``model`` on, where its caller passes none (its
+  SFT and DPO trainers): the one ``jax.set_mesh`` made current (SFT builds
+  its optimizer inside it), else the one the model's params are placed on
+  (DPO's model comes placed); ``None`` when neither says."""
+  from flax import nnx  # noqa: PLC0415
+
+  current = jax.sharding.get_mesh()
+  if not current.empty:
+    return current
+  placed = {
+    leaf.sharding.mesh
+    for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))
+    if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)
+  }
+  if len(placed) > 1:
+    raise ValueError(
+      "the model's params are placed on more than one mesh; pass mesh= to "
+      "get_optimizer"
+    )
+  return placed.pop() if placed else None
+
+
 def _block_name(config) -> str:
   block = config.decoder_block
   return str(getattr(block, "value", block)).lower()
@@ -255,8 +278,9 @@ def get_optimizer(
     learning_rate_schedule: MaxText's schedule.
     model: the NNX model (its dimension numbers and partition specs); MaxText
       refuses Muon without one.
-    mesh: MaxText's mesh; ``None`` (its SFT/DPO trainers): no tensor
-      parallelism (each device works on what it holds).
+    mesh: MaxText's mesh; ``None`` (its SFT/DPO trainers): ``mesh_of(model)``
+      (the current mesh, else the params'), and where there is none, no
+      tensor parallelism.
     tp_mode: the ``om.TensorParallel`` mode over ``tp_axis``.
     tp_axis: the tensor-parallel mesh axis.
     routing: which leaves are Muon's, and their dimension numbers:
@@ -282,6 +306,8 @@ def get_optimizer(
       "own Muon does; pass model="
     )
   ns_coeffs, ns_steps = _ns_schedule(config)
+  if mesh is None:
+    mesh = mesh_of(model)
   sharding = None
   if mesh is not None and tp_axis in mesh.axis_names:
     sharding = TensorParallel(
