@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_muon._src.base import built as _built
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
 from optax_muon._src.base import types
@@ -15,7 +16,8 @@ from optax_muon._src.inference.table import RoutingTable
 from optax_muon._src.inference.table import render
 from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import torch_muon as torch_muon_lib
-from optax_muon._src.parallel import cost
+from optax_muon._src.optimizers.settings import adam_b1_of
+from optax_muon._src.parallel import plan as plan_lib
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel import waves
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
@@ -45,9 +47,11 @@ def describe(
   precision: types.Precision = "highest",
   preconditioning: types.Preconditioning = "frobenius",
   memory_budget: int | None = None,
+  optimizer: optax.GradientTransformation | None = None,
 ) -> RoutingTable:
   """The routing table for the given ``om.muon`` settings (defaults
-  included): what each leaf gets before training starts. It returns the
+  included), or of a built ``optimizer``: what each leaf gets before
+  training starts. It returns the
   table, as flax's ``tabulate`` does: ``print(om.describe(params))``, or
   leave it as a cell's value in a notebook (it shows as the table).
   ``compat.describe_torch_muon`` is the table of ``compat.torch_muon``.
@@ -57,6 +61,12 @@ def describe(
   ``extra_scale_factor``, ``adam_b1``, ``sharding``, ``steps``,
   ``precision``, ``preconditioning`` and ``memory_budget`` are as in
   ``om.muon``; ``moment2_method`` as in ``om.adaptive_muon``. With
+  ``optimizer`` (what ``om.muon``, ``om.scale_by_muon``,
+  ``om.adaptive_muon``, ``om.dion``, ``om.dion2``, ``om.nordion2``, their
+  ``scale_by_*`` directions or ``MuonConfig.build`` returned) the settings
+  are the ones it was built with, and no other keyword may be given. Each
+  matrix's scale is the one the update applies: from the shape it is
+  orthogonalized at (each shard's where it runs ``blockwise``). With
   ``sharding``, or params on a mesh with Explicit axes (whose types give
   the sharding, as ``om.muon`` reads them without ``sharding=``), the
   table says each Muon leaf's tensor-parallel mode and
@@ -65,6 +75,7 @@ def describe(
 
   Args:
     params: the parameter tree (arrays, shape structs or ``nnx.State``).
+    optimizer: a built optimizer to describe, instead of the settings.
 
   Returns:
     The table, a ``str`` (whose ``repr`` is the table) with columns path, shape, role, optimizer,
@@ -79,6 +90,35 @@ def describe(
     ValueError: what ``om.muon`` would raise at ``init`` for these settings
       (leaves of 3+ axes without dimension numbers, unknown paths, ...).
   """
+  if optimizer is not None:
+    given = {
+      name: value
+      for name, value, default in (
+        ("labels", labels, None),
+        ("dimension_numbers", dimension_numbers, None),
+        ("split_qkv", split_qkv, None),
+        ("split_gate_up", split_gate_up, None),
+        ("layout", layout, None),
+        ("scale_mode", scale_mode, "spectral"),
+        ("match_adamw_update_rms", match_adamw_update_rms, False),
+        ("extra_scale_factor", extra_scale_factor, None),
+        ("adam_b1", adam_b1, 0.9),
+        ("moment2_method", moment2_method, None),
+        ("sharding", sharding, None),
+        ("steps", steps, 5),
+        ("precision", precision, "highest"),
+        ("preconditioning", preconditioning, "frobenius"),
+        ("memory_budget", memory_budget, None),
+      )
+      if not _is_default(value, default)
+    }
+    if given:
+      raise ValueError(
+        f"describe(optimizer=...) reads the optimizer's own settings, but "
+        f"{sorted(given)} were also given; accepted: optimizer= alone, or "
+        "the settings without optimizer="
+      )
+    return describe(params, **settings_of(optimizer))
   labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
   _checks.check_choice("scale_mode", scale_mode, shape_scale.SCALE_MODES)
   if moment2_method is not None:
@@ -118,66 +158,107 @@ def describe(
     )
     reason = [reason_of.get(path, "—")] if layout is not None else []
     rows.append((path, leaf, role, label_of[path], view, *reason))
-  modes_of = None
   sharding_lib.check_sharding(sharding)
   muon_pairs = _paths.leaves_with_paths(muon_only)[0]
   sharding = sharding_lib.resolve(
     sharding, [x for _, x in muon_pairs], [view_of[p] for p, _ in muon_pairs]
   )
+  plan_of = {}
   if sharding is not None:
     waves.check_memory_budget(memory_budget)
-    modes = _tp_modes(
+    plans = plan_lib.plan_leaves(
       sharding,
-      muon_only,
-      view_of,
+      [view_of[p] for p, _ in muon_pairs],
+      sharding.leaf_specs(muon_only),
+      [jnp.dtype(x.dtype).itemsize for _, x in muon_pairs],
       steps,
       precision,
       preconditioning,
       memory_budget,
     )
-    modes_of = lambda path: modes.get(path, ("—", "—"))
+    plan_of = {path: p for (path, _), p in zip(muon_pairs, plans)}
+  # each matrix's scale as the optimizer applies it: from the shape it is
+  # orthogonalized at (each shard's under blockwise)
+  scales_of = lambda path, view: tuple(
+    float(extra) * factor
+    for factor in plan_of.get(path, plan_lib.unsharded(view)).scales(scale_mode)
+  )
   return render(
     rows,
-    lambda fan_out, fan_in: (
-      float(extra) * (shape_scale.scale_factor(fan_out, fan_in, scale_mode))
-    ),
+    scales_of,
     moment2_of=None
     if moment2_method is None
     else functools.partial(moment2_shape, moment2_method),
-    modes_of=modes_of,
+    modes_of=None
+    if sharding is None
+    else lambda path: (
+      (plan_of[path].mode, plan_of[path].reason)
+      if path in plan_of
+      else ("—", "—")
+    ),
   )
 
 
-def _tp_modes(
-  sharding, muon_only, view_of, steps, precision, preconditioning, budget
-) -> dict:
-  """Each Muon leaf's ``(tp mode, why)`` under ``sharding``."""
-  pairs = _paths.leaves_with_paths(muon_only)[0]
-  paths, leaves = [p for p, _ in pairs], [x for _, x in pairs]
-  views = [view_of[p] for p in paths]
-  specs = sharding.leaf_specs(muon_only)
-  tp_dims = [
-    sharding_lib.tp_dim_of(v, s, sharding) for v, s in zip(views, specs)
-  ]
-  if sharding.mode != "auto":
-    return {
-      p: (sharding_lib.mode_for(sharding.mode, v, d), "set")
-      for p, v, d in zip(paths, views, tp_dims)
-    }
-  choices = cost.leaf_choices(
-    sharding,
-    views,
-    specs,
-    [jnp.dtype(x.dtype).itemsize for x in leaves],
-    steps,
-    precision,
-    preconditioning,
-    budget,
+def _is_default(value, default) -> bool:
+  return value is default or (
+    isinstance(value, (str, int, float)) and value == default
   )
-  return {
-    p: (c.mode, "not sharded over the TP axis" if d is None else c.reason)
-    for p, c, d in zip(paths, choices, tp_dims)
-  }
+
+
+# the builders whose optimizers describe reads: an update of shape scale ×
+# extra factor × an orthogonalized (or low-rank) direction
+DESCRIBED = (
+  "muon",
+  "scale_by_muon",
+  "adaptive_muon",
+  "scale_by_adaptive_muon",
+  "dion",
+  "scale_by_dion",
+  "dion2",
+  "nordion2",
+  "scale_by_dion2",
+)
+# sharded by schemes of their own, not by the tensor-parallel modes
+_OWN_SCHEMES = ("dion", "scale_by_dion", "dion2", "nordion2", "scale_by_dion2")
+_READ = (
+  "labels",
+  "dimension_numbers",
+  "split_qkv",
+  "split_gate_up",
+  "layout",
+  "scale_mode",
+  "match_adamw_update_rms",
+  "extra_scale_factor",
+  "moment2_method",
+  "sharding",
+  "steps",
+  "precision",
+  "preconditioning",
+  "memory_budget",
+)
+
+
+def settings_of(optimizer) -> dict[str, Any]:
+  """``describe``'s keywords for a built ``optimizer``: those it was built
+  with (``built.recorded``)."""
+  found = _built.built(optimizer)
+  if found is None or found.member not in DESCRIBED:
+    raise ValueError(
+      f"describe(optimizer=...) reads an optimizer built by one of "
+      f"{list(DESCRIBED)} (or MuonConfig.build, which calls them); got "
+      f"{'an optax transformation built elsewhere' if found is None else found.member}"
+      " — wrap nothing around it, or pass its settings to describe instead"
+    )
+  arguments = found.arguments
+  settings = {name: arguments[name] for name in _READ if name in arguments}
+  settings["adam_b1"] = (
+    arguments["adamw_beta1"]  # a direction's
+    if "adamw_beta1" in arguments
+    else adam_b1_of(arguments)
+  )
+  if found.member in _OWN_SCHEMES:
+    settings["sharding"] = None
+  return settings
 
 
 def describe_torch_muon(

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import optax
 
+from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import paths as _paths
 from optax_muon._src.base import types
@@ -510,7 +511,7 @@ class MuonConfig:
     )
     if not self.optimizer_offload:
       return tx
-    return offload.offload_state(tx, "pinned_host")
+    return built.wrapped(offload.offload_state(tx, "pinned_host"), tx)
 
   def _build(
     self,
@@ -600,11 +601,8 @@ class MuonConfig:
         )
       ),
     )
-    tx = optax.chain(
-      *clip,
-      optimizer(lr, **keywords),
-      *clip_logits,
-    )
+    member = optimizer(lr, **keywords)
+    tx = built.wrapped(optax.chain(*clip, member, *clip_logits), member)
     if not check_split:
       return tx
 

@@ -21,11 +21,20 @@ class RoutingTable(str):
     printer.text(str(self))
 
 
+def _spectral_scales(path, view) -> tuple[float, ...]:
+  del path
+  return tuple(
+    shape_scale.scale_factor(fan_out, fan_in)
+    for fan_in, fan_out in view.matrix_shapes
+  )
+
+
 def render(
-  rows, scale_of=shape_scale.scale_factor, moment2_of=None, modes_of=None
+  rows, scales_of=_spectral_scales, moment2_of=None, modes_of=None
 ) -> RoutingTable:
   """One aligned line per leaf: path, shape, role, optimizer, matrices,
-  scale (``scale_of(fan_out, fan_in)``, spectral by default), with
+  scale (``scales_of(path, view)``: each matrix piece's, spectral by
+  default), with
   ``moment2_of`` the second moment's shape (``moment2_of(count, fan_in,
   fan_out)``), with ``modes_of`` (``path -> cells``) the tensor-parallel
   mode and why, and the rule that decided when rows carry one."""
@@ -45,9 +54,7 @@ def render(
       matrices = " + ".join(
         f"{count} × {fan_in} × {fan_out}" for fan_in, fan_out in pieces
       )
-      scale = " + ".join(
-        f"{scale_of(fan_out, fan_in):.3g}" for fan_in, fan_out in pieces
-      )
+      scale = " + ".join(f"{f:.3g}" for f in scales_of(path, view))
       if moment2_of is not None:
         moment2 = [
           " + ".join(

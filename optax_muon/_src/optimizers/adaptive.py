@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import signatures
 from optax_muon._src.base import types
@@ -47,6 +48,7 @@ class AdaptiveMuonState(NamedTuple):
   moment2: Moment2State
 
 
+@built.recorded
 @signatures.with_signature(
   "moment2_method beta2 moment2_eps beta nesterov momentum_style mu_dtype"
   " coefficients steps precision scale_mode extra_scale_factor"
@@ -125,6 +127,7 @@ def scale_by_adaptive_muon(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+@built.recorded
 @signatures.with_signature(
   "moment2_method beta2 moment2_eps beta nesterov momentum_style mu_dtype"
   " coefficients steps precision scale_mode extra_scale_factor"

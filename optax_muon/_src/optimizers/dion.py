@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import signatures
 from optax_muon._src.base import types
@@ -114,6 +115,7 @@ def _plans(sharding, tree, views):
   ]
 
 
+@built.recorded
 @signatures.with_signature(
   "rank_fraction rank_multiple_of ef_decay power_iters qr_method epsilon"
   " seed mu_dtype precision memory_budget scale_mode extra_scale_factor"
@@ -291,6 +293,7 @@ def scale_by_dion(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+@built.recorded
 @signatures.with_signature(
   "rank_fraction rank_multiple_of ef_decay power_iters qr_method epsilon"
   " seed mu_dtype precision memory_budget scale_mode extra_scale_factor"
@@ -363,5 +366,9 @@ def dion(
     <https://arxiv.org/abs/2504.05295>`_, 2025
   """
   arguments = settings.routed_arguments(locals())
-  direction = scale_by_dion(**settings.forward(scale_by_dion, arguments))
+  direction = scale_by_dion(
+    **settings.forward(
+      scale_by_dion, arguments, adamw_beta1=settings.adam_b1_of(arguments)
+    )
+  )
   return route(direction, learning_rate, **settings.forward(route, arguments))

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import signatures
 from optax_muon._src.base import types
@@ -76,6 +77,7 @@ def _check_selection(fraction, ef_decay, sharding, selection_scope) -> None:
     )
 
 
+@built.recorded
 @signatures.with_signature(
   "fraction ef_decay normalize_neurons beta2 mu_dtype coefficients steps"
   " precision method scale_mode extra_scale_factor match_adamw_update_rms"
@@ -216,6 +218,7 @@ _OPTIMIZER_SIGNATURE: dict[str, Any] = dict(
 )
 
 
+@built.recorded
 @signatures.with_signature(
   "fraction ef_decay" + _OPTIMIZER_ORDER, **_OPTIMIZER_SIGNATURE
 )
@@ -267,10 +270,15 @@ def dion2(
     Ahn et al., `Dion2 <https://arxiv.org/abs/2512.16928>`_, 2025
   """
   arguments = settings.routed_arguments(locals())
-  direction = scale_by_dion2(**settings.forward(scale_by_dion2, arguments))
+  direction = scale_by_dion2(
+    **settings.forward(
+      scale_by_dion2, arguments, adamw_beta1=settings.adam_b1_of(arguments)
+    )
+  )
   return route(direction, learning_rate, **settings.forward(route, arguments))
 
 
+@built.recorded
 @signatures.with_signature(
   "fraction beta beta2" + _OPTIMIZER_ORDER, **_OPTIMIZER_SIGNATURE
 )
@@ -313,7 +321,11 @@ def nordion2(
   arguments = settings.routed_arguments(locals())
   direction = scale_by_dion2(
     **settings.forward(
-      scale_by_dion2, arguments, ef_decay=beta, normalize_neurons=True
+      scale_by_dion2,
+      arguments,
+      ef_decay=beta,
+      normalize_neurons=True,
+      adamw_beta1=settings.adam_b1_of(arguments),
     )
   )
   return route(direction, learning_rate, **settings.forward(route, arguments))

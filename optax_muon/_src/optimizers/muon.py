@@ -4,6 +4,7 @@ from typing import Unpack
 
 import optax
 
+from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import signatures
 from optax_muon._src.base import types
@@ -15,6 +16,7 @@ from optax_muon._src.transforms import muon_direction
 from optax_muon._src.transforms import scaling
 
 
+@built.recorded
 @signatures.with_signature(
   "beta nesterov momentum_style mu_dtype coefficients steps precision method"
   " scale_mode extra_scale_factor match_adamw_update_rms adamw_beta1"
@@ -131,6 +133,7 @@ def scale_by_muon(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+@built.recorded
 @signatures.with_signature(
   "beta nesterov momentum_style mu_dtype coefficients steps precision method"
   " scale_mode extra_scale_factor match_adamw_update_rms dimension_numbers"

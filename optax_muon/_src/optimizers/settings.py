@@ -332,6 +332,13 @@ def arguments_of(
   return {**values.pop("options"), **values, **overrides}
 
 
+def adam_b1_of(arguments: Mapping[str, Any]) -> Any:
+  """AdamW's β₁ among an optimizer-level member's keywords (given directly,
+  or in ``**scalar_kwargs``): what ``match_adamw_update_rms`` matches."""
+  given = arguments.get("scalar_kwargs") or {}
+  return arguments.get("adam_b1", given.get("adam_b1", 0.9))
+
+
 def routed_arguments(local_values: Mapping[str, Any]) -> dict[str, Any]:
   """An optimizer-level member's keywords (``arguments_of``), its
   ``layout`` read into the labels and dimension numbers it routes by."""

@@ -6,8 +6,8 @@ one (FSDP over ``data``) are made whole first and re-split last (``fsdp``:
 a stack shared out over that axis, so no two of its ranks orthogonalize the
 same matrix; a leaf without a stack gathered); sharded batch axes stay
 sharded. Each leaf then goes to the planner of its mode
-(``tensor_parallel.mode_for``, or ``cost`` under ``"auto"``: ``blockwise``,
-``duplicated``, ``distributed`` or ``allgather``, one module each), which
+(its ``plan.LeafPlan``: ``blockwise``, ``duplicated``, ``distributed`` or
+``allgather``, one module each), which
 returns the leaf's tasks, and the tasks of all leaves run in waves within
 the memory budget (``waves``).
 """
@@ -21,14 +21,13 @@ from jax.sharding import PartitionSpec
 from optax_muon._src.kernels import batched
 from optax_muon._src.parallel import allgather
 from optax_muon._src.parallel import blockwise
-from optax_muon._src.parallel import cost
 from optax_muon._src.parallel import distributed
 from optax_muon._src.parallel import duplicated
 from optax_muon._src.parallel import fsdp
+from optax_muon._src.parallel import plan
 from optax_muon._src.parallel import waves
 from optax_muon._src.parallel.tensor_parallel import Leaf
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
-from optax_muon._src.parallel.tensor_parallel import mode_for
 from optax_muon._src.parallel.tensor_parallel import tp_dim_of
 
 PLANNERS = {
@@ -71,7 +70,7 @@ def orthogonalize_sharded(
   """
   counts = [0] * len(leaves) if states is None else [len(a) for a in states]
   budget = waves.resolve(memory_budget)
-  modes = cost.leaf_modes(
+  plans = plan.plan_leaves(
     tp,
     views,
     specs,
@@ -123,7 +122,7 @@ def orthogonalize_sharded(
       leaf = Leaf(
         x, view, tp_dim, finish, fsdp.splits_over_data(view, spec, tp)
       )
-      by_mode[mode_for(modes[index], view, tp_dim)].append(leaf)
+      by_mode[plans[index].runs].append(leaf)
     tasks = [
       task
       for mode, planner in PLANNERS.items()

@@ -11,7 +11,7 @@ from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
 from optax_muon._src.kernels import shape_scale
 from optax_muon._src.kernels.shape_scale import SCALE_MODES
-from optax_muon._src.parallel import cost
+from optax_muon._src.parallel import plan
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel import waves
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
@@ -39,12 +39,12 @@ def scale_by_shape(
     mode: ``"spectral"``, ``"shape_scaling"`` or ``"unit_rms_norm"``.
     dimension_numbers: as in ``orthogonalize``.
     split_qkv, split_gate_up: as in ``orthogonalize``.
-    sharding: ``None`` or a ``TensorParallel``; its ``blockwise`` mode
-      scales by each shard's shape, the other modes by the global shape;
-      ``"auto"`` by each shard's shape the leaves it runs ``blockwise``.
+    sharding: ``None`` or a ``TensorParallel``: each matrix is scaled by
+      the shape it was orthogonalized at (its leaf's ``plan.LeafPlan``):
+      each shard's under ``blockwise`` (set, or ``auto``'s choice), the
+      global shape otherwise.
     steps, precision, preconditioning, memory_budget: the orthogonalize's
-      (the chains pass them): read only by ``sharding.mode="auto"`` with
-      ``"blockwise"`` in its ``auto_modes``, whose choice depends on them.
+      (the chains pass them), for ``sharding.mode="auto"``'s choice.
 
   Returns:
     A stateless ``optax.GradientTransformation``.
@@ -60,11 +60,7 @@ def scale_by_shape(
     resolve_views(params)
     return optax.EmptyState()
 
-  def scale_leaf(leaf, view, local):
-    factors = [
-      shape_scale.scale_factor(fan_out, fan_in, mode)
-      for fan_in, fan_out in local.matrix_shapes
-    ]
+  def scale_leaf(leaf, view, factors):
     if len(set(factors)) == 1:
       return leaf * jnp.asarray(factors[0], leaf.dtype)
     pieces = view.to_matrices(leaf)
@@ -76,45 +72,30 @@ def scale_by_shape(
   def update_fn(updates, state, params=None):
     del params
     views = [view for _, _, view in resolve_views(updates)]
-    local_views = views
-    tp = (
-      None
-      if sharding is None
-      else sharding.bind(jax.tree.leaves(updates), views)
-    )
-    if tp is not None and "blockwise" in possible_modes(tp):
-      # blockwise orthogonalizes each shard alone: scale by the shard's shape
-      specs = tp.leaf_specs(updates)
-      modes = cost.leaf_modes(
+    leaves = jax.tree.leaves(updates)
+    tp = sharding_lib.resolve(sharding, leaves, views)
+    # each matrix scaled by the shape it was orthogonalized at
+    plans = (
+      [plan.unsharded(view) for view in views]
+      if tp is None
+      else plan.plan_leaves(
         tp,
         views,
-        specs,
-        [jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(updates)],
+        tp.leaf_specs(updates),
+        [jnp.dtype(x.dtype).itemsize for x in leaves],
         steps,
         precision,
         preconditioning,
         memory_budget,
       )
-      local_views = [
-        sharding_lib.local_view(
-          view, sharding_lib.local_shape(view.shape, spec, tp)
-        )
-        if mode == "blockwise"
-        else view
-        for view, spec, mode in zip(views, specs, modes)
-      ]
-    leaves = [
-      scale_leaf(leaf, view, local)
-      for leaf, view, local in zip(jax.tree.leaves(updates), views, local_views)
+    )
+    scaled = [
+      scale_leaf(leaf, view, leaf_plan.scales(mode))
+      for leaf, view, leaf_plan in zip(leaves, views, plans)
     ]
-    return jax.tree.unflatten(jax.tree.structure(updates), leaves), state
+    return jax.tree.unflatten(jax.tree.structure(updates), scaled), state
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-def possible_modes(sharding: TensorParallel) -> tuple[str, ...]:
-  """The modes ``sharding`` may run a sharded leaf in."""
-  return sharding.auto_modes if sharding.mode == "auto" else (sharding.mode,)
 
 
 _logger = logging.getLogger("optax_muon")
