@@ -109,7 +109,9 @@ def _plan_leaves(
     solved = view
     if runs == "blockwise":  # each shard orthogonalized as a matrix
       solved = local_view(view, local_shape(view.shape, spec, tp))
-    shown = mode_for(mode, view, tp_dim) if tp.mode != "auto" else mode
+    # a set mode is shown as it runs; auto's choice as chosen (its reason
+    # names the modes it compared)
+    shown = mode if tp.mode == "auto" else runs
     plans.append(LeafPlan(view, shown, runs, reason, solved))
   return tuple(plans)
 
