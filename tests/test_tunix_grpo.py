@@ -19,7 +19,12 @@ from examples.tunix_grpo import policy  # noqa: E402
 from examples.tunix_grpo import train  # noqa: E402
 
 SMALL = train.Config(
-  sft_steps=60, grpo_steps=20, prompts_per_step=4, group_size=4, test_problems=8
+  sft_steps=60,
+  grpo_steps=20,
+  prompts_per_step=4,
+  group_size=4,
+  test_problems=8,
+  validation_problems=8,
 )
 
 
@@ -37,6 +42,9 @@ def test_tunix_grpo_learner_runs_20_steps_of_muon(tmp_path):
     rtol=1e-6,
   )
   assert all(np.isfinite(result["loss"]))
+  # grpo_arith's monitoring ran inside Tunix's trainer: validation accuracy
+  # at steps 0, 10 and 20 (the last after training)
+  assert [step for step, _ in result["validation_accuracy"]] == [0, 10, 20]
   assert (tmp_path / "final.json").exists()
 
 
@@ -60,3 +68,45 @@ def test_the_actors_matrices_go_to_muon_by_the_layout():
   # Muon's update of a matrix has equal singular values (its polar factor)
   singular = jnp.linalg.svd(kernel, compute_uv=False)
   assert float(singular.min() / singular.max()) > 0.6
+
+
+def test_recovery_rolls_back_to_the_best_at_half_the_lr(monkeypatch):
+  from examples.tunix_grpo import recovery
+
+  model = policy.make_model(layers=1, width=32, seed=0)
+  trainer = type("Trainer", (), {})()  # what the hook reads of Tunix's
+  trainer.model = model
+  trainer.optimizer = nnx.Optimizer(
+    model, train.muon(SMALL, model), wrt=nnx.Param
+  )
+  # validation accuracy at steps 0, 10, ..., 50: best at 10, then 3 drops
+  accuracies = iter([0.5, 0.6, 0.55, 0.5, 0.45, 0.7])
+  monkeypatch.setattr(
+    recovery.policy, "greedy_accuracy", lambda *args: next(accuracies)
+  )
+  monitor = recovery.Recovery([], (0, 0), eval_every=10, patience=3)
+  kernel = lambda: np.asarray(model.layers[0].mlp.down_proj.kernel[...])
+  kept = {}
+  for step in range(0, 60, 10):
+    trainer.train_steps = step
+    monitor.on_train_step_start(trainer)
+    monitor.on_train_step_start(trainer)  # measured once a step
+    kept[step] = kernel()
+    # a "training step": the params move
+    model.layers[0].mlp.down_proj.kernel[...] += 0.01 * (step + 1)
+  assert [s for s, _ in monitor.history] == [0, 10, 20, 30, 40, 50]
+  assert monitor.rollbacks == [{"step": 40, "to_step": 10, "lr_scale": 0.5}]
+  # the rollback at 40 put back what step 10 measured
+  np.testing.assert_array_equal(kept[40], kept[10])
+  scale = trainer.optimizer.opt_state.hyperparams[recovery.LR_SCALE]
+  assert float(scale[...]) == 0.5
+  assert (monitor.best_step, monitor.best_accuracy) == (50, 0.7)
+  monitor.restore_best(trainer)
+  np.testing.assert_array_equal(kernel(), kept[50])
+
+
+def test_bad_settings_are_refused_naming_the_field():
+  with pytest.raises(ValueError, match=r"optimizer='sgd' is not accepted"):
+    train.Config(optimizer="sgd")
+  with pytest.raises(ValueError, match="test_problems \\+ validation_problems"):
+    train.Config(test_problems=400, validation_problems=200)

@@ -116,7 +116,14 @@ def supervised_warm_start(model, problems, steps: int, lr: float, seed: int):
   return float(loss)
 
 
-def greedy_accuracy(model, problems, cache_size: int) -> float:
+def cache_size(prompt_len: int, completion_len: int) -> int:
+  """The key/value cache for prompts padded to ``prompt_len`` and
+  ``completion_len`` generated tokens (Tunix's sampler asks for more than
+  their sum)."""
+  return prompt_len + completion_len + 8
+
+
+def greedy_accuracy(model, problems, prompt_len: int, completion_len: int):
   """The share of ``problems`` answered right, decoding greedily with
   Tunix's sampler."""
   config = model.config
@@ -124,7 +131,7 @@ def greedy_accuracy(model, problems, cache_size: int) -> float:
     model,
     ByteTokenizer(),
     sampler_lib.CacheConfig(
-      cache_size=cache_size,
+      cache_size=cache_size(prompt_len, completion_len),
       num_layers=config.num_layers,
       num_kv_heads=config.num_kv_heads,
       head_dim=config.head_dim,
@@ -132,7 +139,7 @@ def greedy_accuracy(model, problems, cache_size: int) -> float:
   )
   output = sampler(
     [prompt(p.question) for p in problems],
-    max_generation_steps=cache_size // 2,
+    max_generation_steps=completion_len,
     temperature=0.0,
     eos_tokens=[END],
   )

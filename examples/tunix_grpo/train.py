@@ -2,6 +2,7 @@
 
     python -m examples.tunix_grpo.train                 # the recorded run
     python -m examples.tunix_grpo.train grpo_steps=20 sft_steps=100
+    python -m examples.tunix_grpo.train optimizer=adamw    # the same, AdamW
 
 A small Llama from Tunix's model code (``policy.py``), randomly initialized,
 first learns the answer format from worked solutions (Adam); then Tunix's
@@ -10,7 +11,11 @@ trains it on the task's reward with ``om.muon`` as the actor's optimizer:
 the layout read from the model by ``om.infer_layout``, update RMS matched to
 AdamW's, clipped at global norm 1, under grpo_arith's warm-up and decay,
 inside ``optax.inject_hyperparams`` so that Tunix logs the learning rate.
-Greedy accuracy on held-out problems is measured before and after with
+grpo_arith's monitoring and recovery run as a hook of Tunix's trainer
+(``recovery.py``): greedy accuracy on validation problems every
+``eval_every`` steps, a rollback to the best at half the lr after
+``rollback_patience`` drops in a row, the best restored at the end. Greedy
+accuracy on held-out test problems is measured before and after with
 Tunix's sampler. Writes ``<out_dir>/final.json``.
 
 Needs Tunix (``pip install google-tunix``; Python >= 3.11).
@@ -34,6 +39,9 @@ from tunix.rl.rollout import base_rollout
 import optax_muon as om
 from examples.grpo_arith import task
 from examples.tunix_grpo import policy
+from examples.tunix_grpo import recovery
+
+OPTIMIZERS = ("muon", "adamw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,18 +52,41 @@ class Config:
   width: int = 128
   sft_steps: int = 1500
   sft_lr: float = 3e-3
-  # GRPO: grpo_arith's recipe (warm-up, decay, clip, KL); lr: at 1e-4 and
-  # 2e-4 (grpo_arith's best, verl's) greedy accuracy fell (section "Tunix")
+  # the actor's optimizer: "muon", or "adamw" to compare in the same learner
+  optimizer: str = "muon"
+  # GRPO: grpo_arith's recipe (warm-up, decay, clip, KL, temperature,
+  # its best lr)
   grpo_steps: int = 150
   prompts_per_step: int = 8
   group_size: int = 16
-  lr: float = 3e-5
+  lr: float = 1e-4
   warmup_steps: int = 10
   lr_decay: float = 0.01
   kl_coef: float = 0.04
+  temperature: float = 0.7
   completion_len: int = 40
+  # the prompts' padded length (Tunix's sampler pads to a power of two)
+  prompt_len: int = 128
+  # grpo_arith's monitoring and recovery (recovery.py), on validation
+  # problems held out from the training and the test problems
+  eval_every: int = 10
+  validation_problems: int = 128
+  rollback_patience: int = 3
   test_problems: int = 256
   out_dir: str = "runs/tunix_grpo"
+
+  def __post_init__(self):
+    if self.optimizer not in OPTIMIZERS:
+      raise ValueError(
+        f"optimizer={self.optimizer!r} is not accepted; accepted values: "
+        f"{list(OPTIMIZERS)}"
+      )
+    if self.test_problems + self.validation_problems > 500:
+      raise ValueError(
+        "test_problems + validation_problems must be at most 500 (the test "
+        f"questions the train set leaves out); got {self.test_problems} + "
+        f"{self.validation_problems}"
+      )
 
 
 def parse(argv) -> Config:
@@ -75,16 +106,23 @@ def schedule(cfg: Config):
 
 
 def muon(cfg: Config, model) -> optax.GradientTransformation:
-  """The actor's optimizer: ``om.muon`` on the layout read from the model."""
+  """The actor's optimizer: ``om.muon`` on the layout read from the model
+  (``cfg.optimizer="adamw"``: ``optax.adamw``, to compare)."""
   layout = om.infer_layout(model, *policy.example_inputs(model))
 
-  def make(learning_rate):
-    return optax.chain(
-      optax.clip_by_global_norm(1.0),
-      om.muon(learning_rate, match_adamw_update_rms=True, layout=layout),
+  def make(learning_rate, lr_scale):
+    lr = learning_rate * lr_scale
+    step = (
+      om.muon(lr, match_adamw_update_rms=True, layout=layout)
+      if cfg.optimizer == "muon"
+      else optax.adamw(lr, weight_decay=0.0)
     )
+    return optax.chain(optax.clip_by_global_norm(1.0), step)
 
-  return optax.inject_hyperparams(make)(learning_rate=schedule(cfg))
+  # lr_scale: what a rollback halves (recovery.py)
+  return optax.inject_hyperparams(make)(
+    learning_rate=schedule(cfg), **{recovery.LR_SCALE: 1.0}
+  )
 
 
 class _Prompts(grain.RandomAccessDataSource):
@@ -108,9 +146,9 @@ def reward(prompts, completions, answer, **kwargs):
   return [task.reward(text, int(a)) for text, a in zip(completions, answer)]
 
 
-def grpo(cfg: Config, model, problems):
-  """Tunix's GRPO learner on ``problems`` for ``cfg.grpo_steps`` steps; the
-  trained actor and the learner."""
+def grpo(cfg: Config, model, problems, monitor: recovery.Recovery | None):
+  """Tunix's GRPO learner on ``problems`` for ``cfg.grpo_steps`` steps,
+  ``monitor`` hooked into its trainer; the trained actor and the learner."""
   reference = nnx.clone(model)
   mesh = jax.make_mesh(
     (1, 1),
@@ -118,7 +156,6 @@ def grpo(cfg: Config, model, problems):
     axis_types=(jax.sharding.AxisType.Auto,) * 2,
     devices=jax.devices()[:1],
   )
-  cache_size = 2 * (cfg.completion_len + 40)
   cluster = rl_cluster.RLCluster(
     actor=model,
     reference=reference,
@@ -134,9 +171,9 @@ def grpo(cfg: Config, model, problems):
       ),
       rollout_config=base_rollout.RolloutConfig(
         max_tokens_to_generate=cfg.completion_len,
-        max_prompt_length=cache_size - cfg.completion_len,
-        kv_cache_size=cache_size,
-        temperature=1.0,
+        max_prompt_length=cfg.prompt_len,
+        kv_cache_size=policy.cache_size(cfg.prompt_len, cfg.completion_len),
+        temperature=cfg.temperature,
         eos_tokens=[policy.END],
       ),
     ),
@@ -148,6 +185,8 @@ def grpo(cfg: Config, model, problems):
       num_generations=cfg.group_size, num_iterations=1, beta=cfg.kl_coef
     ),
   )
+  if monitor is not None:
+    cluster.actor_trainer.with_training_hooks(monitor)
   count = cfg.grpo_steps * cfg.prompts_per_step
   learner.train(
     grain.MapDataset.source(_Prompts(problems[:count])).batch(
@@ -160,17 +199,26 @@ def grpo(cfg: Config, model, problems):
 def run(cfg: Config) -> dict:
   start = time.perf_counter()
   train = task.problems("train", 4000, seed=cfg.seed, levels=cfg.levels)
-  test = task.problems(
-    "test", cfg.test_problems, seed=cfg.seed, levels=cfg.levels
-  )
+  # the train set leaves out the first 500 test questions: the test
+  # problems and, after them, the validation ones
+  held_out = task.problems("test", 500, seed=cfg.seed, levels=cfg.levels)
+  test = held_out[: cfg.test_problems]
+  validation = held_out[500 - cfg.validation_problems :]
   model = policy.make_model(cfg.layers, cfg.width, cfg.seed)
   sft_loss = policy.supervised_warm_start(
     model, train, cfg.sft_steps, cfg.sft_lr, cfg.seed
   )
-  cache_size = 2 * (cfg.completion_len + 40)
-  before = policy.greedy_accuracy(model, test, cache_size)
-  trained, learner = grpo(cfg, model, train)
-  after = policy.greedy_accuracy(trained, test, cache_size)
+  lengths = (cfg.prompt_len, cfg.completion_len)
+  before = policy.greedy_accuracy(model, test, *lengths)
+  monitor = recovery.Recovery(
+    validation, lengths, cfg.eval_every, cfg.rollback_patience
+  )
+  trained, learner = grpo(cfg, model, train, monitor)
+  actor_trainer = learner.rl_cluster.actor_trainer
+  monitor.evaluate(actor_trainer, actor_trainer.train_steps)
+  last = policy.greedy_accuracy(trained, test, *lengths)
+  monitor.restore_best(actor_trainer)
+  after = policy.greedy_accuracy(trained, test, *lengths)
   metrics = learner.rl_cluster.actor_trainer.metrics_logger
   history = lambda name: [
     float(x) for x in metrics.get_metric_history("actor", name, "train")
@@ -179,10 +227,19 @@ def run(cfg: Config) -> dict:
     "config": dataclasses.asdict(cfg),
     "sft_loss": sft_loss,
     "greedy_accuracy_before": before,
+    # the policy the run keeps: the best by validation accuracy
     "greedy_accuracy_after": after,
+    "greedy_accuracy_last": last,
+    "best_step": monitor.best_step,
+    "validation_accuracy": monitor.history,
+    "rollbacks": monitor.rollbacks,
     "grpo_steps": learner.rl_cluster.actor_trainer.iter_steps,
     "learning_rate": history("learning_rate"),
     "loss": history("loss"),
+    "reward": [
+      float(x) for x in metrics.get_metric_history("rewards", "reward", "train")
+    ],
+    "kl": history("kl"),
     "seconds": time.perf_counter() - start,
   }
   out = pathlib.Path(cfg.out_dir)
@@ -196,7 +253,8 @@ def main(argv=None):
   print(
     f"greedy accuracy {result['greedy_accuracy_before']:.3f} -> "
     f"{result['greedy_accuracy_after']:.3f} after {result['grpo_steps']} "
-    f"GRPO steps with Muon ({result['seconds']:.0f} s)"
+    f"GRPO steps with {result['config']['optimizer']} "
+    f"({result['seconds']:.0f} s)"
   )
 
 
