@@ -317,11 +317,3 @@ def leaf_choices(
   return choose_modes(
     views, specs, itemsizes, tp, steps, precision, budget, exclude
   )
-
-
-def leaf_modes(tp: TensorParallel, *args) -> list[str]:
-  """Each Muon leaf's mode: ``tp.mode``, or ``auto``'s choice
-  (``leaf_choices``, same arguments)."""
-  if tp.mode != "auto":
-    return [tp.mode] * len(args[0])
-  return [c.mode for c in leaf_choices(tp, *args)]
