@@ -1,6 +1,7 @@
 """``om.describe``: the routing table for any ``om.muon`` settings."""
 
 import functools
+import inspect
 from typing import Any
 from typing import Literal
 
@@ -91,27 +92,30 @@ def describe(
       (leaves of 3+ axes without dimension numbers, unknown paths, ...).
   """
   if optimizer is not None:
-    given = {
-      name: value
-      for name, value, default in (
-        ("labels", labels, None),
-        ("dimension_numbers", dimension_numbers, None),
-        ("split_qkv", split_qkv, None),
-        ("split_gate_up", split_gate_up, None),
-        ("layout", layout, None),
-        ("scale_mode", scale_mode, "spectral"),
-        ("match_adamw_update_rms", match_adamw_update_rms, False),
-        ("extra_scale_factor", extra_scale_factor, None),
-        ("adam_b1", adam_b1, 0.9),
-        ("moment2_method", moment2_method, None),
-        ("sharding", sharding, None),
-        ("steps", steps, 5),
-        ("precision", precision, "highest"),
-        ("preconditioning", preconditioning, "frobenius"),
-        ("memory_budget", memory_budget, None),
-      )
-      if not _is_default(value, default)
+    settings = {
+      "labels": labels,
+      "dimension_numbers": dimension_numbers,
+      "split_qkv": split_qkv,
+      "split_gate_up": split_gate_up,
+      "layout": layout,
+      "scale_mode": scale_mode,
+      "match_adamw_update_rms": match_adamw_update_rms,
+      "extra_scale_factor": extra_scale_factor,
+      "adam_b1": adam_b1,
+      "moment2_method": moment2_method,
+      "sharding": sharding,
+      "steps": steps,
+      "precision": precision,
+      "preconditioning": preconditioning,
+      "memory_budget": memory_budget,
     }
+    # the defaults are the signature's own, not restated here
+    defaults = inspect.signature(describe).parameters
+    given = [
+      name
+      for name, value in settings.items()
+      if not _is_default(value, defaults[name].default)
+    ]
     if given:
       raise ValueError(
         f"describe(optimizer=...) reads the optimizer's own settings, but "
