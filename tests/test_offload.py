@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import optax_muon as om
 from conftest import normal
 from optax_muon import compat
+from optax_muon._src.base import built
 
 HOST = "pinned_host"
 
@@ -180,12 +181,29 @@ def test_compat_muon_offloads_optaxs_state():
   assert _kinds(states[-1]) == {HOST}
 
 
-@pytest.mark.parametrize("optimizer", ["muon", "adam", "adaptive_muon"])
+@pytest.mark.parametrize(
+  "optimizer",
+  ["muon", "adam", "adaptive_muon", "muon_bp", "dion", "dion2", "nordion2"],
+)
 def test_muon_config_optimizer_offload(optimizer):
-  params = {"layer": {"kernel": jnp.ones((16, 32))}, "bias": jnp.zeros(32)}
-  config = om.MuonConfig(optimizer=optimizer, optimizer_offload=True)
-  _, states = _steps(config.build(1e-3), params, steps=1)
+  params = {
+    "layer": {"kernel": normal(jax.random.key(0), (16, 32))},
+    "bias": jnp.zeros(32),
+  }
+  offloaded = om.MuonConfig(optimizer=optimizer, optimizer_offload=True)
+  tx = offloaded.build(1e-3)
+  want, _ = _steps(om.MuonConfig(optimizer=optimizer).build(1e-3), params, 2)
+  got, states = _steps(tx, params, steps=2)
+  chex.assert_trees_all_equal(got, want)
   assert _kinds(states[-1]) == {HOST}
+  # a family member that takes state_memory_kind is given it (its state then
+  # comes to the device a wave at a time); optax's AdamW and MuonBP are
+  # offloaded whole
+  found = built.built(tx)
+  if optimizer in ("adam", "muon_bp"):
+    assert found is None or "state_memory_kind" not in found.arguments
+  else:
+    assert found.arguments["state_memory_kind"] == HOST
 
 
 def test_a_bad_memory_kind_names_the_argument():

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import optax_muon as om
 from conftest import normal
 from optax_muon._src.parallel import cost
+from optax_muon._src.parallel.execution import Execution
 
 STACK = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
 
@@ -195,6 +196,35 @@ def test_the_cost_model_runs_once_per_leaf_for_the_same_leaves(monkeypatch):
   om.describe(params, optimizer=tx)
   jax.jit(tx.update).lower(params, state, params)  # a second trace
   assert len(calls) == 2
+
+
+@pytest.mark.parametrize("memory_budget", [None, 3 << 20])
+def test_the_budget_is_resolved_once_into_its_two_meanings(
+  monkeypatch, memory_budget
+):
+  # every piece of om.muon (momentum, orthogonalization, shape scale) reads
+  # one Execution: the budget is resolved when it is built, and only then
+  resolved = []
+  post_init = Execution.__post_init__
+
+  def counted(self):
+    post_init(self)
+    resolved.append((self.wave_bytes, self.auto_limit))
+
+  monkeypatch.setattr(Execution, "__post_init__", counted)
+  mesh = _mesh()
+  specs = {"a": P(None, "model"), "b": P("model", None)}
+  params = _placed(
+    {"a": jnp.zeros((40, 64)), "b": jnp.zeros((64, 24))}, specs, mesh
+  )
+  sharding = om.TensorParallel(mesh, "model", "auto", specs=specs)
+  tx = om.muon(0.1, sharding=sharding, memory_budget=memory_budget)
+  state = tx.init(params)
+  jax.jit(tx.update).lower(params, state, params)
+  # the waves' size is the budget or 2 GiB; auto's limit the budget or none
+  assert resolved == [
+    (memory_budget or 2 << 30, memory_budget),
+  ]
 
 
 def test_describe_with_an_optimizer_takes_no_other_setting():

@@ -20,7 +20,7 @@ from optax_muon._src.optimizers import torch_muon as torch_muon_lib
 from optax_muon._src.optimizers.settings import adam_b1_of
 from optax_muon._src.parallel import plan as plan_lib
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
-from optax_muon._src.parallel import waves
+from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.moment2 import MOMENT2_METHODS
@@ -169,7 +169,7 @@ def describe(
   )
   plan_of = {}
   if sharding is not None:
-    waves.check_memory_budget(memory_budget)
+    auto_limit = Execution(memory_budget=memory_budget).auto_limit
     plans = plan_lib.plan_leaves(
       sharding,
       [view_of[p] for p, _ in muon_pairs],
@@ -178,7 +178,7 @@ def describe(
       steps,
       precision,
       preconditioning,
-      memory_budget,
+      auto_limit,
     )
     plan_of = {path: p for (path, _), p in zip(muon_pairs, plans)}
   # each matrix's scale as the optimizer applies it: from the shape it is

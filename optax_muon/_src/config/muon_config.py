@@ -58,6 +58,11 @@ OPTIMIZERS = (
 # the members with no Muon tensor-parallel mode of their own: without
 # muon_tp_mode XLA partitions them under jit
 WITHOUT_TP_MODE = ("dion2", "nordion2", "dion")
+# optimizer_offload: the members that take no state_memory_kind (optax's
+# AdamW; MuonBP, two Muons sharing one state) have the whole chain's state
+# offloaded (``offload.offload_state``); the others are given
+# state_memory_kind, so their state comes to the device a wave at a time
+OFFLOADED_WHOLE = ("adam", "muon_bp")
 # The fields that are a family keyword under Megatron-Core's name. Every other
 # field named ``muon_<keyword>`` (or ``<keyword>``) of the family's keywords
 # (``settings.MuonOptions``) is that keyword as it is; ``build`` makes the
@@ -150,9 +155,11 @@ class MuonConfig:
     muon_momentum_bits: ``None`` (the momentum in the param's dtype) or 8
       (int8 with a float32 scale per block: ``om.QuantizedMomentum``).
     muon_momentum_block_size: entries per block of the 8-bit momentum.
-    optimizer_offload: verl's name: the whole optimizer state (Muon's
-      momentum, AdamW's moments) in pinned host memory between steps,
-      brought to the device inside each update (``state_memory_kind``).
+    optimizer_offload: verl's name: the optimizer state (Muon's momentum,
+      AdamW's moments) in pinned host memory between steps: the member is
+      given ``state_memory_kind="pinned_host"`` (its state brought to the
+      device a wave at a time); ``adam`` and ``muon_bp`` have the whole
+      chain's state brought over inside each update.
     qk_clip: QK-clip (MuonClip) after each step; ``build`` then needs
       ``attention=`` (see ``optax_muon.qk_clip``) and ``update`` the step's
       ``max_logits=``.
@@ -509,7 +516,7 @@ class MuonConfig:
       tp_axis=tp_axis,
       split_gate_up=split_gate_up,
     )
-    if not self.optimizer_offload:
+    if not self.optimizer_offload or self.optimizer not in OFFLOADED_WHOLE:
       return tx
     return built.wrapped(offload.offload_state(tx, "pinned_host"), tx)
 
@@ -575,6 +582,11 @@ class MuonConfig:
       _check_no_fused_qkv(params)
     optimizer = self._member()
     keywords = self._family_keywords()
+    if self.optimizer not in OFFLOADED_WHOLE:
+      # the member keeps its own state in host memory, a wave at a time
+      keywords["state_memory_kind"] = (
+        "pinned_host" if self.optimizer_offload else None
+      )
     keywords.update(
       split_qkv=split,
       sharding=sharding,

@@ -34,7 +34,6 @@ from optax_muon._src.base import signatures
 from optax_muon._src.base import types
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
-from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.moment2 import Moment2State
 from optax_muon._src.transforms.moment2 import scale_by_moment2
 
@@ -97,17 +96,17 @@ def scale_by_adaptive_muon(
   arguments, extra = settings.scaled_direction_arguments(locals())
   canonical_dtype("mu_dtype", options["mu_dtype"], quantized=True)
   momentum = settings.momentum_of(arguments)
-  orthogonalize = settings.orthogonalize_of(arguments)
+  orthogonalization = settings.orthogonalization_of(
+    arguments, state_memory_kind=None
+  )
+  orthogonalize = orthogonalization.orthogonalize()
   moment2 = scale_by_moment2(
     moment2_method,
     beta2,
     moment2_eps,
     **settings.forward(scale_by_moment2, arguments),
   )
-  shape = scaling.scale_by_shape(
-    options["scale_mode"],
-    **settings.forward(scaling.scale_by_shape, arguments),
-  )
+  shape = orthogonalization.scale_by_shape(options["scale_mode"])
 
   def init_fn(params):
     orthogonalize.init(params)  # bad views, dtypes or specs raise here

@@ -55,7 +55,6 @@ from optax_muon._src.optimizers.dion_power import QR_METHODS
 from optax_muon._src.optimizers.dion_power import dion_rank
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
-from optax_muon._src.parallel import waves
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.views import layout as layout_lib
@@ -190,7 +189,7 @@ def scale_by_dion(
   _checks.check_choice("precision", options["precision"], matrices.PRECISIONS)
   arguments, extra = settings.scaled_direction_arguments(locals())
   mu_dtype = canonical_dtype("mu_dtype", options["mu_dtype"])
-  budget = waves.resolve(options["memory_budget"])
+  budget = settings.execution_of(arguments).wave_bytes
   resolve_views = layout_lib.view_resolver(
     arguments["dimension_numbers"],
     options["split_qkv"],

@@ -10,10 +10,8 @@ from optax_muon._src.base import signatures
 from optax_muon._src.base import types
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
-from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.transforms import momentum as momentum_lib
 from optax_muon._src.transforms import muon_direction
-from optax_muon._src.transforms import scaling
 
 
 @built.recorded
@@ -94,31 +92,26 @@ def scale_by_muon(
   arguments, extra = settings.scaled_direction_arguments(locals())
   mu_dtype = options["mu_dtype"]
   momentum_lib.canonical_dtype("mu_dtype", mu_dtype, quantized=True)
-  execution = Execution(
-    sharding=options["sharding"],
-    memory_budget=options["memory_budget"],
-    state_memory_kind=state_memory_kind,
-  )
-  if execution.streams(mu_dtype):  # each leaf's momentum in its wave
+  # one of each settings object, shared by the pieces: the plan they read
+  # (parallel.plan) is then decided once per leaf
+  orthogonalization = settings.orthogonalization_of(arguments)
+  if orthogonalization.execution.streams(mu_dtype):  # momentum in its wave
     direction = muon_direction.momentum_orthogonalize(
       options["beta"],
       nesterov=options["nesterov"],
       style=options["momentum_style"],
       dtype=mu_dtype,
-      solver=settings.solver_of(arguments),
-      views=settings.views_of(arguments),
-      execution=execution,
+      solver=orthogonalization.solver,
+      views=orthogonalization.views,
+      execution=orthogonalization.execution,
     )
   else:
     direction = optax.chain(
-      settings.momentum_of(arguments), settings.orthogonalize_of(arguments)
+      settings.momentum_of(arguments), orthogonalization.orthogonalize()
     )
   # optax.chain(direction, shape, scale) with chain(momentum, orthogonalize)'s
   # state kept flat: (MomentumState, EmptyState, EmptyState, EmptyState)
-  shape = scaling.scale_by_shape(
-    options["scale_mode"],
-    **settings.forward(scaling.scale_by_shape, arguments),
-  )
+  shape = orthogonalization.scale_by_shape(options["scale_mode"])
   scale = optax.scale(extra)
 
   def init_fn(params):

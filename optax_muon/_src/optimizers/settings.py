@@ -23,6 +23,7 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Annotated
 from typing import Any
+from typing import NamedTuple
 from typing import TypedDict
 from typing import TypeVar
 
@@ -310,16 +311,47 @@ def execution_of(arguments: Mapping[str, Any], **overrides: Any) -> Execution:
   return Execution(**forward(Execution, arguments, **overrides))
 
 
+class Orthogonalization(NamedTuple):
+  """The settings objects of a member's orthogonalization, built (and
+  checked) once from its keywords; the orthogonalize and the shape scale
+  after it both read them, so the plan of each leaf
+  (``parallel.plan``) is decided once for both."""
+
+  solver: batched.Solver
+  views: Views
+  execution: Execution
+
+  def orthogonalize(self) -> optax.GradientTransformation:
+    """The Newton–Schulz orthogonalization of each leaf's matrices."""
+    return orthogonalize_lib.orthogonalizer(
+      self.solver, self.views, self.execution
+    ).transform
+
+  def scale_by_shape(
+    self, mode: types.ScaleMode
+  ) -> optax.GradientTransformation:
+    """Each matrix scaled by the shape it was orthogonalized at."""
+    return scaling.shape_scaler(mode, self.views, self.solver, self.execution)
+
+
+def orthogonalization_of(
+  arguments: Mapping[str, Any], **overrides: Any
+) -> Orthogonalization:
+  """The orthogonalization a member's ``arguments`` (then ``overrides`` of
+  its ``Execution``) describe."""
+  return Orthogonalization(
+    solver_of(arguments),
+    views_of(arguments),
+    execution_of(arguments, **overrides),
+  )
+
+
 def orthogonalize_of(
   arguments: Mapping[str, Any],
 ) -> optax.GradientTransformation:
   """The Newton–Schulz orthogonalization a member's ``arguments`` describe
   (on the device: its state, if any, is the momentum's business)."""
-  return orthogonalize_lib.orthogonalizer(
-    solver_of(arguments),
-    views_of(arguments),
-    execution_of(arguments, state_memory_kind=None),
-  ).transform
+  return orthogonalization_of(arguments, state_memory_kind=None).orthogonalize()
 
 
 def arguments_of(

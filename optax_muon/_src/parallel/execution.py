@@ -25,9 +25,14 @@ class Execution:
   Attributes:
     sharding: ``None`` (each device works on what it holds; under ``jit``
       XLA partitions) or a ``TensorParallel``.
-    memory_budget: bytes per device of work in flight, a positive int;
-      ``None``: ``waves.DEFAULT_MEMORY_BUDGET``, and ``mode="auto"`` then
-      chooses by time alone.
+    memory_budget: bytes per device of work in flight, a positive int, or
+      ``None`` (the default), as the user gave it. Its two meanings are
+      resolved from it once, when built:
+    wave_bytes: the waves' size, bytes per device: ``memory_budget``, or
+      ``waves.DEFAULT_MEMORY_BUDGET`` (2 GiB) for ``None``.
+    auto_limit: the bytes ``mode="auto"``'s smallest piece of a leaf must
+      fit: ``memory_budget``, or ``None`` (no limit: ``auto`` chooses by
+      time alone; the default budget only orders the waves).
     state_memory_kind: ``None`` (the device's memory) or ``"pinned_host"``:
       the momentum in host memory between steps.
   """
@@ -35,16 +40,21 @@ class Execution:
   sharding: TensorParallel | None = None
   memory_budget: int | None = None
   state_memory_kind: types.MemoryKind | None = None
+  wave_bytes: int = dataclasses.field(init=False)
+  auto_limit: int | None = dataclasses.field(init=False)
 
   def __post_init__(self):
     check_sharding(self.sharding)
     waves.check_memory_budget(self.memory_budget)
     offload.check_memory_kind(self.state_memory_kind)
-
-  @property
-  def budget(self) -> int:
-    """The memory budget in bytes (the default for ``None``)."""
-    return waves.resolve(self.memory_budget)
+    given = None if self.memory_budget is None else int(self.memory_budget)
+    # frozen: the derived fields are set once, here
+    object.__setattr__(self, "auto_limit", given)
+    object.__setattr__(
+      self,
+      "wave_bytes",
+      waves.DEFAULT_MEMORY_BUDGET if given is None else given,
+    )
 
   def streams(self, momentum_dtype: types.MomentumDtype) -> bool:
     """Whether each leaf's momentum is computed inside the wave that

@@ -68,10 +68,12 @@ def plan_leaves(
   steps,
   precision: str,
   preconditioning: str,
-  memory_budget: int | None,
+  auto_limit: int | None,
 ) -> tuple[LeafPlan, ...]:
   """Each Muon leaf's plan under ``tp`` (specs as ``tp.leaf_specs`` gives
-  them); ``auto`` chooses by the cost model, once for the same data."""
+  them); ``auto`` chooses by the cost model, once for the same data, among
+  the modes whose smallest piece fits ``auto_limit`` bytes
+  (``Execution.auto_limit``; ``None``: any)."""
   key = (
     dataclasses.replace(tp, specs=None),
     tuple(views),
@@ -80,7 +82,7 @@ def plan_leaves(
     steps,
     precision,
     preconditioning,
-    memory_budget,
+    auto_limit,
   )
   try:
     hash(key)
@@ -90,12 +92,12 @@ def plan_leaves(
 
 
 def _plan_leaves(
-  tp, views, specs, itemsizes, steps, precision, preconditioning, budget
+  tp, views, specs, itemsizes, steps, precision, preconditioning, auto_limit
 ) -> tuple[LeafPlan, ...]:
   tp_dims = [tp_dim_of(v, s, tp) for v, s in zip(views, specs)]
   if tp.mode == "auto":
     choices = cost.leaf_choices(
-      tp, views, specs, itemsizes, steps, precision, preconditioning, budget
+      tp, views, specs, itemsizes, steps, precision, preconditioning, auto_limit
     )
     chosen = [
       (c.mode, NOT_SPLIT if d is None else c.reason)

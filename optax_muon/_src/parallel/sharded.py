@@ -26,6 +26,7 @@ from optax_muon._src.parallel import duplicated
 from optax_muon._src.parallel import fsdp
 from optax_muon._src.parallel import plan
 from optax_muon._src.parallel import waves
+from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import Leaf
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.tensor_parallel import tp_dim_of
@@ -44,7 +45,7 @@ def orthogonalize_sharded(
   tp: TensorParallel,
   specs,
   solver: batched.Solver,
-  memory_budget: int | None = None,
+  execution: Execution,
   states=None,
   step=None,
 ):
@@ -62,14 +63,15 @@ def orthogonalize_sharded(
     tp: the ``TensorParallel`` settings.
     specs: ``tp.leaf_specs`` of the leaves.
     solver: how each matrix is orthogonalized.
-    memory_budget: bytes per device (``None``: the default budget).
+    execution: the waves' size (``wave_bytes``) and ``auto``'s limit
+      (``auto_limit``).
 
   Returns:
     The orthogonalized leaves, sharded like the inputs; with ``states``,
     ``(leaves, new states)``.
   """
   counts = [0] * len(leaves) if states is None else [len(a) for a in states]
-  budget = waves.resolve(memory_budget)
+  budget = execution.wave_bytes
   plans = plan.plan_leaves(
     tp,
     views,
@@ -78,7 +80,7 @@ def orthogonalize_sharded(
     solver.steps,
     solver.precision,
     solver.preconditioning,
-    memory_budget,
+    execution.auto_limit,
   )
   in_specs = tuple(PartitionSpec(*[a or None for a in spec]) for spec in specs)
 

@@ -55,11 +55,6 @@ def check_memory_budget(memory_budget, name: str = "memory_budget") -> None:
     )
 
 
-def resolve(memory_budget: int | None) -> int:
-  check_memory_budget(memory_budget)
-  return DEFAULT_MEMORY_BUDGET if memory_budget is None else int(memory_budget)
-
-
 def newton_schulz_bytes(
   m: int, n: int, count: int = 1, itemsize=4, gram_side: int | None = None
 ) -> int:

@@ -16,6 +16,7 @@ from optax_muon._src.base import types
 from optax_muon._src.kernels import quantize
 from optax_muon._src.kernels.quantize import QuantizedMomentum
 from optax_muon._src.parallel import waves
+from optax_muon._src.parallel.execution import Execution
 
 MOMENTUM_STYLES = typing.get_args(types.MomentumStyle)
 
@@ -182,12 +183,14 @@ def momentum(
   """
   _check_settings(beta, nesterov, style, bias_correction)
   dtype = canonical_dtype("dtype", dtype, quantized=True)
-  budget = waves.resolve(memory_budget)
+  waves.check_memory_budget(memory_budget)
   weight_of = gradient_weight(beta, style)
   new_mu: Callable[[Any], Any]
   quantized = isinstance(dtype, QuantizedMomentum)
   if isinstance(dtype, QuantizedMomentum):
     config = dtype
+    # its float32 work runs in waves of this size; a float buffer has none
+    budget = Execution(memory_budget=memory_budget).wave_bytes
     new_mu = lambda params: quantize.init_tree(params, config)
     load = lambda mu, treedef: treedef.unflatten(
       [quantize.dequantize(q, config) for q in quantize.leaves(mu, treedef)]

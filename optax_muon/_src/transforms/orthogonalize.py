@@ -141,7 +141,7 @@ def orthogonalizer(
   budget the work runs."""
   sharding = execution.sharding
   _check_spectral_sharding(solver.preconditioning, sharding)
-  budget = execution.budget
+  budget = execution.wave_bytes
 
   def check_dtypes(viewed):
     for path, leaf, _ in viewed:
@@ -186,8 +186,7 @@ def orthogonalizer(
         tp,
         tp.leaf_specs(updates),
         solver,
-        # None: auto's choice by time alone (parallel.cost)
-        execution.memory_budget,
+        execution,
         states,
         step,
       )

@@ -9,13 +9,14 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import shape_scale
 from optax_muon._src.kernels.shape_scale import SCALE_MODES
 from optax_muon._src.parallel import plan
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
-from optax_muon._src.parallel import waves
+from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
-from optax_muon._src.views import layout
+from optax_muon._src.views.matrix_views import Views
 
 
 def scale_by_shape(
@@ -50,14 +51,34 @@ def scale_by_shape(
     A stateless ``optax.GradientTransformation``.
   """
   _checks.check_choice("mode", mode, SCALE_MODES)
-  sharding_lib.check_sharding(sharding)
-  waves.check_memory_budget(memory_budget)
-  resolve_views = layout.view_resolver(
-    dimension_numbers, split_qkv, split_gate_up
+  return shape_scaler(
+    mode,
+    Views(
+      dimension_numbers=dimension_numbers,
+      split_qkv=split_qkv,
+      split_gate_up=split_gate_up,
+    ),
+    batched.Solver(
+      steps=steps, precision=precision, preconditioning=preconditioning
+    ),
+    Execution(sharding=sharding, memory_budget=memory_budget),
   )
 
+
+def shape_scaler(
+  mode: types.ScaleMode,
+  views: Views,
+  solver: batched.Solver,
+  execution: Execution,
+) -> optax.GradientTransformation:
+  """``scale_by_shape`` built from the settings objects of the
+  orthogonalization it follows (the chains pass theirs): each matrix is
+  scaled by the shape its leaf's ``plan.LeafPlan`` solved, planned from the
+  same solver and execution, so ``auto`` chooses once for both."""
+  _checks.check_choice("mode", mode, SCALE_MODES)
+
   def init_fn(params):
-    resolve_views(params)
+    views(params)
     return optax.EmptyState()
 
   def scale_leaf(leaf, view, factors):
@@ -71,27 +92,27 @@ def scale_by_shape(
 
   def update_fn(updates, state, params=None):
     del params
-    views = [view for _, _, view in resolve_views(updates)]
+    leaf_views = [view for _, _, view in views(updates)]
     leaves = jax.tree.leaves(updates)
-    tp = sharding_lib.resolve(sharding, leaves, views)
+    tp = sharding_lib.resolve(execution.sharding, leaves, leaf_views)
     # each matrix scaled by the shape it was orthogonalized at
     plans = (
-      [plan.unsharded(view) for view in views]
+      [plan.unsharded(view) for view in leaf_views]
       if tp is None
       else plan.plan_leaves(
         tp,
-        views,
+        leaf_views,
         tp.leaf_specs(updates),
         [jnp.dtype(x.dtype).itemsize for x in leaves],
-        steps,
-        precision,
-        preconditioning,
-        memory_budget,
+        solver.steps,
+        solver.precision,
+        solver.preconditioning,
+        execution.auto_limit,
       )
     )
     scaled = [
       scale_leaf(leaf, view, leaf_plan.scales(mode))
-      for leaf, view, leaf_plan in zip(leaves, views, plans)
+      for leaf, view, leaf_plan in zip(leaves, leaf_views, plans)
     ]
     return jax.tree.unflatten(jax.tree.structure(updates), scaled), state
 
