@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
+from optax_muon import compat
 from conftest import normal
 from optax_muon._src.parallel import cost
 from optax_muon._src.parallel.execution import Execution
@@ -104,6 +105,27 @@ def test_matched_rms_is_described_as_applied():
     om.adamw_rms_match_factor(0.9) * 128**0.5, rel=5e-3
   )
   assert _rows(om.describe(params))["w"]["scale"] == "11.3"
+
+
+@pytest.mark.parametrize(
+  "adjust_lr_fn, scale",
+  # torch holds the (in 64, out 128) kernel as (A, B) = (128, 64)
+  [(None, 2**0.5), ("original", 2**0.5), ("match_rms_adamw", 0.2 * 128**0.5)],
+)
+def test_torch_muon_is_described_as_applied(adjust_lr_fn, scale):
+  params = {"w": jnp.zeros((64, 128)), "b": jnp.zeros(128)}
+  tx = compat.torch_muon(
+    1.0, adjust_lr_fn=adjust_lr_fn, precision="highest", weight_decay=0.0
+  )
+  torch_iteration = om.orthogonalize(
+    coefficients=[(3.4445, -4.775, 2.0315)],
+    eps=1e-7,  # torch.optim.Muon's
+  )
+  rows, checked = _applied_equals_described(
+    tx, params, lambda path, row, g: torch_iteration.update(g[path], None)[0]
+  )
+  assert checked == 1
+  assert float(rows["w"]["scale"]) == pytest.approx(scale, rel=5e-3)
 
 
 @pytest.mark.parametrize("build", ["dion2", "dion2_matched", "MuonConfig"])

@@ -64,8 +64,9 @@ def describe(
   ``om.muon``; ``moment2_method`` as in ``om.adaptive_muon``. With
   ``optimizer`` (what ``om.muon``, ``om.scale_by_muon``,
   ``om.adaptive_muon``, ``om.dion``, ``om.dion2``, ``om.nordion2``, their
-  ``scale_by_*`` directions or ``MuonConfig.build`` returned) the settings
-  are the ones it was built with, and no other keyword may be given. Each
+  ``scale_by_*`` directions, ``MuonConfig.build`` or ``compat.torch_muon``
+  returned) the settings are the ones it was built with, and no other
+  keyword may be given. Each
   matrix's scale is the one the update applies: from the shape it is
   orthogonalized at (each shard's where it runs ``blockwise``). With
   ``sharding``, or params on a mesh with Explicit axes (whose types give
@@ -121,6 +122,12 @@ def describe(
         f"describe(optimizer=...) reads the optimizer's own settings, but "
         f"{sorted(given)} were also given; accepted: optimizer= alone, or "
         "the settings without optimizer="
+      )
+    found = _built.built(optimizer)
+    if found is not None and found.member == "torch_muon":
+      return describe_torch_muon(
+        params,
+        **{name: found.arguments[name] for name in _TORCH_MUON_READ},
       )
     return describe(params, **settings_of(optimizer))
   labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
@@ -222,6 +229,16 @@ DESCRIBED = (
   "nordion2",
   "scale_by_dion2",
 )
+# compat.torch_muon's settings that its table (describe_torch_muon) reads
+_TORCH_MUON_READ = (
+  "adjust_lr_fn",
+  "weight_order",
+  "labels",
+  "layout",
+  "dimension_numbers",
+  "split_qkv",
+  "split_gate_up",
+)
 # sharded by schemes of their own, not by the tensor-parallel modes
 _OWN_SCHEMES = ("dion", "scale_by_dion", "dion2", "nordion2", "scale_by_dion2")
 _READ = (
@@ -249,7 +266,8 @@ def settings_of(optimizer) -> dict[str, Any]:
   if found is None or found.member not in DESCRIBED:
     raise ValueError(
       f"describe(optimizer=...) reads an optimizer built by one of "
-      f"{list(DESCRIBED)} (or MuonConfig.build, which calls them); got "
+      f"{list(DESCRIBED)} (or MuonConfig.build, which calls them) or "
+      "compat.torch_muon; got "
       f"{'an optax transformation built elsewhere' if found is None else found.member}"
       " — wrap nothing around it, or pass its settings to describe instead"
     )

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
 from optax_muon._src.kernels import batched
@@ -151,6 +152,7 @@ def _check_coefficients(ns_coefficients) -> tuple[float, float, float]:
   return triple
 
 
+@built.recorded
 def torch_muon(
   lr: optax.ScalarOrSchedule = 1e-3,
   weight_decay: types.Numeric = 0.1,
@@ -265,33 +267,20 @@ def torch_muon(
   labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
   dimension_numbers = torch_dimension_numbers(weight_order, dimension_numbers)
   scale_mode, extra = torch_scale(adjust_lr_fn)
-  layout_args: dict[str, Any] = dict(
+  solver = batched.Solver(
+    coefficients=[triple], steps=ns_steps, precision=precision, eps=eps
+  )
+  views = Views(
     dimension_numbers=dimension_numbers,
     split_qkv=split_qkv,
     split_gate_up=split_gate_up,
-    sharding=sharding,
+    torch_orientation=True,
   )
+  execution = Execution(sharding=sharding, memory_budget=memory_budget)
   direction = optax.chain(
     torch_momentum(momentum, nesterov=nesterov, dtype=mu_dtype),
-    orthogonalizer(
-      batched.Solver(
-        coefficients=[triple], steps=ns_steps, precision=precision, eps=eps
-      ),
-      Views(
-        dimension_numbers=dimension_numbers,
-        split_qkv=split_qkv,
-        split_gate_up=split_gate_up,
-        torch_orientation=True,
-      ),
-      Execution(sharding=sharding, memory_budget=memory_budget),
-    ).transform,
-    scaling.scale_by_shape(
-      scale_mode,
-      steps=ns_steps,
-      precision=precision,
-      memory_budget=memory_budget,
-      **layout_args,
-    ),
+    orthogonalizer(solver, views, execution).transform,
+    scaling.shape_scaler(scale_mode, views, solver, execution),
     optax.scale(extra),
   )
   return route(
