@@ -4,6 +4,7 @@ batch axes, waves ordered in the program; every mode exact against one wave."""
 import re
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -281,8 +282,7 @@ def _task(size, axis=None, count=1):
     [x],
     lambda i: ([], None),
     lambda m, c: [],
-    lambda o: None,
-    "local",
+    lambda matrices: matrices,
     size,
     axis,
   )
@@ -307,6 +307,28 @@ def test_plan_packs_whole_tasks_and_splits_stacks_into_parts():
   assert [[t.bytes for t in w] for w, _ in planned] == [[10], [500], [10]]
   # everything within the budget: one wave
   assert len(waves.plan([_task(10)] * 5, budget=100)) == 1
+
+
+def test_run_returns_each_tasks_outputs_in_the_tasks_order():
+  # a split stack runs as soon as it is met, before the whole tasks gathered
+  # ahead of it; the outputs still come back in the tasks' order
+  def task(value, size, count=None):
+    x = jnp.full((count or 1, 2, 2), float(value))
+    return waves.Task(
+      [x],
+      lambda inputs: ([], [inputs[0] + 1.0]),
+      lambda matrices, outputs: outputs,
+      lambda matrices: matrices,
+      size,
+      0 if count else None,
+    )
+
+  tasks = [task(0, 30), task(1, 100, count=10), task(2, 30), task(3, 30)]
+  order = [[t.inputs[0][0, 0, 0] for t in w] for w, _ in waves.plan(tasks, 35)]
+  assert [float(v) for wave in order for v in wave] == [1.0, 0.0, 2.0, 3.0]
+  outputs = waves.run(tasks, 35)
+  assert [float(out[0][0, 0, 0]) for out in outputs] == [1.0, 2.0, 3.0, 4.0]
+  chex.assert_shape(outputs[1][0], (10, 2, 2))
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2GiB"])

@@ -20,8 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
-from optax_muon import compat
 from conftest import normal
+from optax_muon import compat
 from optax_muon._src.parallel import cost
 from optax_muon._src.parallel.execution import Execution
 

@@ -94,22 +94,6 @@ class Solver:
       and self.precision != "bf16"
     )
 
-  def iterate(self, matrices: jax.Array, axis_name=None) -> jax.Array:
-    """Newton–Schulz of ``matrices`` (wide, a leading batch allowed) in its
-    standard form: preconditioned, then the iteration; with ``axis_name``
-    (inside ``shard_map``) their columns are split over that axis."""
-    return ns.precondition_and_iterate(
-      matrices,
-      self.table,
-      self.mode,
-      self.steps,
-      self.precision,
-      self.preconditioning,
-      self.eps,
-      self.add_eps,
-      axis_name,
-    )
-
   def prenormalized(self) -> "Solver":
     """This solver for matrices that come normalized (an internal
     preconditioning, so not through the user's checks)."""
@@ -149,7 +133,7 @@ def _solve_stack(stack: jax.Array, solver: Solver) -> jax.Array:
       s.steps,
       s.precision,
     )
-  return s.iterate(stack)
+  return ns.precondition_and_iterate(stack, s)
 
 
 def orthogonalize_matrices(
@@ -201,8 +185,8 @@ def orthogonalize_split_columns(
   """Newton–Schulz of matrices whose columns are split over ``axis_name``
   (inside ``shard_map``): the Gram matrix ``X Xᵀ`` is the sum of the shards'."""
   return [
-    solver.iterate(
-      matrix.astype(working_dtype(matrix.dtype)), axis_name
+    ns.precondition_and_iterate(
+      matrix.astype(working_dtype(matrix.dtype)), solver, axis_name
     ).astype(matrix.dtype)
     for matrix in matrices
   ]

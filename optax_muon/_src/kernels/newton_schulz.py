@@ -1,6 +1,7 @@
 """The Newton–Schulz orthogonalization kernel, batched over leading axes."""
 
 import typing
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,9 @@ from optax_muon._src.kernels.matrices import iterate_dtype
 from optax_muon._src.kernels.matrices import matmul
 from optax_muon._src.kernels.matrices import to_wide
 from optax_muon._src.kernels.matrices import working_dtype
+
+if TYPE_CHECKING:  # the solver's type only: batched builds on this module
+  from optax_muon._src.kernels import batched
 
 
 def _all_reduce(reduce, x, axis_name):
@@ -164,35 +168,32 @@ def precondition(
 
 
 def precondition_and_iterate(
-  x: jax.Array,
-  table: np.ndarray,
-  mode: str,
-  steps,
-  precision: types.Precision,
-  preconditioning: str,
-  eps: float,
-  add_eps: bool = False,
-  axis_name=None,
+  x: jax.Array, solver: "batched.Solver", axis_name=None
 ) -> jax.Array:
-  """``iterate`` on ``x`` preconditioned by ``preconditioning``; AOL and
-  Schatten scale ``x`` inside the first step, reusing its ``X Xᴴ``."""
-  if preconditioning in GRAM_RESCALINGS:
+  """``iterate`` on ``x`` as ``solver`` says (its table, steps, precision,
+  eps), preconditioned by its ``preconditioning``; AOL and Schatten scale
+  ``x`` inside the first step, reusing its ``X Xᴴ``. With ``axis_name``
+  (inside ``shard_map``) the columns of ``x`` are split over that axis."""
+  s = solver
+  if s.preconditioning in GRAM_RESCALINGS:
     return iterate(
       x,
-      table,
-      mode,
-      steps,
-      precision,
+      s.table,
+      s.mode,
+      s.steps,
+      s.precision,
       axis_name,
-      rescale=preconditioning,
-      eps=eps,
+      rescale=s.preconditioning,
+      eps=s.eps,
     )
   return iterate(
-    precondition(x, preconditioning, eps, precision, axis_name, add_eps),
-    table,
-    mode,
-    steps,
-    precision,
+    precondition(
+      x, s.preconditioning, s.eps, s.precision, axis_name, s.add_eps
+    ),
+    s.table,
+    s.mode,
+    s.steps,
+    s.precision,
     axis_name,
   )
 

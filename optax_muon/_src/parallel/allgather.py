@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 from optax_muon._src.parallel import duplicated
 from optax_muon._src.parallel import waves
-from optax_muon._src.parallel.tensor_parallel import Leaf
+from optax_muon._src.parallel.leaves import Leaf
+from optax_muon._src.parallel.leaves import Solves
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 
 
@@ -172,7 +173,7 @@ def _allgather_unit(member: WideMember, ranks: int) -> int:
 
 
 def _task(
-  members: list[WideMember], split: bool, tp: TensorParallel
+  members: list[WideMember], split: bool, tp: TensorParallel, solves: Solves
 ) -> waves.Task:
   """Local shards of ``members``' matrices stacked, re-laid out by one
   all-to-all so that each rank holds whole matrices, and sent back.
@@ -201,32 +202,28 @@ def _task(
       start += n
     return outputs
 
-  def finish(outputs):
-    for member, out in zip(members, outputs):
-      member.leaf.finish(out)
-
   return waves.Task(
     [m.x for m in members],
     prepare,
     restore,
-    finish,
-    members[0].leaf.solver(tp)
+    solves.replicated
     if all(m.leaf.replicated for m in members)
-    else "local",
+    else solves.local,
     first.whole_bytes(tp.size, per_rank)
     + 2 * itemsize * first.rows * first.cols * per_rank * tp.size,
     first.axis if split else None,
     _allgather_unit(first, tp.size) if split else 1,
+    owners=tuple(m.leaf.index for m in members),
   )
 
 
 def _tasks(
-  members: list[WideMember], tp: TensorParallel, budget: int
+  members: list[WideMember], tp: TensorParallel, budget: int, solves: Solves
 ) -> list[waves.Task]:
   """One task for the group when it fits the budget; else each stacked
   member alone (split by the waves) and the others in parts of about one
   budget's worth of whole matrices per rank."""
-  whole = _task(members, False, tp)
+  whole = _task(members, False, tp, solves)
   if whole.bytes <= budget:
     return [whole]
   per_matrix = members[0].whole_bytes(tp.size)
@@ -236,20 +233,20 @@ def _tasks(
   pooled = 0
   for member in members:
     if member.axis is not None and member.items >= 2 * quota:
-      tasks.append(_task([member], True, tp))
+      tasks.append(_task([member], True, tp, solves))
       continue
     if pool and pooled + member.items > quota:
-      tasks.append(_task(pool, False, tp))
+      tasks.append(_task(pool, False, tp, solves))
       pool, pooled = [], 0
     pool.append(member)
     pooled += member.items
   if pool:
-    tasks.append(_task(pool, False, tp))
+    tasks.append(_task(pool, False, tp, solves))
   return tasks
 
 
 def plan(
-  leaves: list[Leaf], tp: TensorParallel, budget: int, solver=None
+  leaves: list[Leaf], tp: TensorParallel, budget: int, solves: Solves
 ) -> list[waves.Task]:
   """The leaves grouped by the shape of their matrices once turned wide; a
   group that shares out (``shares_out``) goes through the all-to-alls, in
@@ -261,7 +258,7 @@ def plan(
   tasks: list[waves.Task] = []
   for members in groups.values():
     if shares_out(sum(m.items for m in members), tp.size):
-      tasks += _tasks(members, tp, budget)
+      tasks += _tasks(members, tp, budget, solves)
     else:
-      tasks += [duplicated.task(m.leaf, tp, solver) for m in members]
+      tasks += [duplicated.task(m.leaf, tp, solves) for m in members]
   return tasks

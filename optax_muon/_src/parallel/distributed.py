@@ -7,12 +7,13 @@ import math
 import jax.numpy as jnp
 
 from optax_muon._src.parallel import waves
-from optax_muon._src.parallel.tensor_parallel import Leaf
+from optax_muon._src.parallel.leaves import Leaf
+from optax_muon._src.parallel.leaves import Solves
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.tensor_parallel import local_view
 
 
-def task(leaf: Leaf, tp: TensorParallel) -> waves.Task:
+def task(leaf: Leaf, tp: TensorParallel, solves: Solves) -> waves.Task:
   x, view, tp_dim = leaf.x, leaf.view, leaf.tp_dim
   fan_in_sharded = tp_dim in view.reduction_axes
   turn = lambda ms: [
@@ -30,18 +31,18 @@ def task(leaf: Leaf, tp: TensorParallel) -> waves.Task:
     [x],
     prepare,
     lambda ms, v: [v.from_matrices(turn(ms))],
-    lambda outputs: leaf.finish(outputs[0]),
-    "distributed",
+    solves.distributed,
     waves.newton_schulz_bytes(
       local.fan_in, local.fan_out, count, x.dtype.itemsize, unsharded
     ),
     waves.split_axis(view, x.shape),
+    owners=(leaf.index,),
   )
 
 
 def plan(
-  leaves: list[Leaf], tp: TensorParallel, budget: int, solver=None
+  leaves: list[Leaf], tp: TensorParallel, budget: int, solves: Solves
 ) -> list[waves.Task]:
   """One task per leaf."""
-  del budget, solver
-  return [task(leaf, tp) for leaf in leaves]
+  del budget
+  return [task(leaf, tp, solves) for leaf in leaves]

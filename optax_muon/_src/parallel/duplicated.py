@@ -4,24 +4,20 @@ all-reduces: its normalization from the shards)."""
 
 import jax
 
-from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import newton_schulz as ns
 from optax_muon._src.kernels.matrices import working_dtype
 from optax_muon._src.parallel import waves
-from optax_muon._src.parallel.tensor_parallel import Leaf
+from optax_muon._src.parallel.leaves import Leaf
+from optax_muon._src.parallel.leaves import Solves
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.tensor_parallel import local_view
 from optax_muon._src.parallel.tensor_parallel import own_chunk
 
-PRENORMALIZED = "-prenormalized"  # a solver key's suffix (sharded.py)
 
-
-def task(
-  leaf: Leaf, tp: TensorParallel, solver: batched.Solver | None = None
-) -> waves.Task:
+def task(leaf: Leaf, tp: TensorParallel, solves: Solves) -> waves.Task:
   """Gather the shard, orthogonalize the full matrix, keep this chunk.
 
-  Where ``solver``'s normalization can be computed from blocks, it is: the
+  Where the solver's normalization can be computed from blocks, it is: the
   largest magnitude and the norm of each matrix are reduced from the shards
   as scalars before the gather, and the gathered matrix is only scaled, so
   it is used once (a compiler short of memory otherwise re-gathers it for
@@ -33,10 +29,9 @@ def task(
   full_shape = list(x.shape)
   full_shape[tp_dim] *= tp.size
   # the solver whose normalization is done here, from the shards, or None
+  solver = solves.solver
   normalizing = (
-    solver
-    if solver is not None and solver.normalizes_from_blocks and not view.widths
-    else None
+    solver if solver.normalizes_from_blocks and not view.widths else None
   )
 
   def prepare(inputs):
@@ -60,10 +55,10 @@ def task(
     [x],
     prepare,
     restore,
-    lambda outputs: leaf.finish(outputs[0]),
-    leaf.solver(tp) + (PRENORMALIZED if normalizing is not None else ""),
+    leaf.solve(solves, prenormalized=normalizing is not None),
     waves.view_bytes(local_view(view, full_shape), x.dtype.itemsize),
     waves.split_axis(view, x.shape),
+    owners=(leaf.index,),
   )
 
 
@@ -71,8 +66,8 @@ def plan(
   leaves: list[Leaf],
   tp: TensorParallel,
   budget: int,
-  solver: batched.Solver | None = None,
+  solves: Solves,
 ) -> list[waves.Task]:
   """One task per leaf."""
   del budget
-  return [task(leaf, tp, solver) for leaf in leaves]
+  return [task(leaf, tp, solves) for leaf in leaves]

@@ -27,7 +27,8 @@ from optax_muon._src.parallel import fsdp
 from optax_muon._src.parallel import plan
 from optax_muon._src.parallel import waves
 from optax_muon._src.parallel.execution import Execution
-from optax_muon._src.parallel.tensor_parallel import Leaf
+from optax_muon._src.parallel.leaves import Leaf
+from optax_muon._src.parallel.leaves import Solves
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.tensor_parallel import tp_dim_of
 
@@ -83,58 +84,46 @@ def orthogonalize_sharded(
     execution.auto_limit,
   )
   in_specs = tuple(PartitionSpec(*[a or None for a in spec]) for spec in specs)
-
-  def stacks(solver, axis=None):
-    return lambda ms: batched.orthogonalize_matrices(ms, solver, axis)
-
-  solvers = {
-    "local": stacks(solver),
-    "replicated": stacks(solver, tp.distribute_over),
-    "distributed": lambda ms: batched.orthogonalize_split_columns(
-      ms, solver, tp.axis
-    ),
-    "local" + duplicated.PRENORMALIZED: stacks(solver.prenormalized()),
-    "replicated" + duplicated.PRENORMALIZED: stacks(
-      solver.prenormalized(), tp.distribute_over
-    ),
-  }
+  solves = Solves.of(solver, tp)
 
   def body(*local_leaves):
     local_states = iter(local_leaves[len(leaves) :])
     local_leaves = local_leaves[: len(leaves)]
     own_states = [[next(local_states) for _ in range(n)] for n in counts]
-    results: list[Any] = [None] * len(local_leaves)
-    new_states: list[Any] = [[] for _ in local_leaves]
-    finish_states = {}
+    moves = [fsdp.moves(v, s, tp) for v, s in zip(views, specs)]
     by_mode: dict[str, list[Leaf]] = {mode: [] for mode in PLANNERS}
     for index, (x, view, spec) in enumerate(zip(local_leaves, views, specs)):
-      moves = fsdp.moves(view, spec, tp)
-      x = fsdp.make_whole(x, moves)
-      own_states[index] = [fsdp.make_whole(a, moves) for a in own_states[index]]
-
-      def finish_state(arrays, moves=moves, index=index):
-        new_states[index] = [fsdp.give_back(a, moves) for a in arrays]
-
-      finish_states[id(x)] = (index, finish_state)
-      tp_dim = tp_dim_of(view, spec, tp)
-
-      def finish(out, moves=moves, index=index):
-        results[index] = fsdp.give_back(out, moves)
-
+      x = fsdp.make_whole(x, moves[index])
+      own_states[index] = [
+        fsdp.make_whole(a, moves[index]) for a in own_states[index]
+      ]
       leaf = Leaf(
-        x, view, tp_dim, finish, fsdp.splits_over_data(view, spec, tp)
+        x,
+        view,
+        tp_dim_of(view, spec, tp),
+        index,
+        fsdp.splits_over_data(view, spec, tp),
       )
       by_mode[plans[index].runs].append(leaf)
     tasks = [
       task
       for mode, planner in PLANNERS.items()
-      for task in planner(by_mode[mode], tp, budget, solver)
+      for task in planner(by_mode[mode], tp, budget, solves)
     ]
     if states is not None:
       tasks = [
-        _with_states(task, own_states, finish_states, step) for task in tasks
+        waves.with_state(task, [own_states[i] for i in task.owners], step)
+        for task in tasks
       ]
-    waves.run(tasks, budget, solvers)
+    results: list[Any] = [None] * len(local_leaves)
+    new_states: list[Any] = [[] for _ in local_leaves]
+    for task, outputs in zip(tasks, waves.run(tasks, budget)):
+      outputs, task_states = waves.split_states(
+        outputs, [counts[i] for i in task.owners]
+      )
+      for index, out, arrays in zip(task.owners, outputs, task_states):
+        results[index] = fsdp.give_back(out, moves[index])
+        new_states[index] = [fsdp.give_back(a, moves[index]) for a in arrays]
     return tuple(results) + tuple(a for arrays in new_states for a in arrays)
 
   state_specs = tuple(
@@ -156,14 +145,3 @@ def orthogonalize_sharded(
   return list(out[: len(leaves)]), [
     [next(rest) for _ in range(n)] for n in counts
   ]
-
-
-def _with_states(task, own_states, finish_states, step):
-  """``task`` with the states of the leaves it reads (``waves.with_state``)."""
-  found = [finish_states[id(x)] for x in task.inputs]
-  return waves.with_state(
-    task,
-    [own_states[index] for index, _ in found],
-    step,
-    [finish for _, finish in found],
-  )

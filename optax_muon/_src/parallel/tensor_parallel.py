@@ -42,7 +42,6 @@ all-gathered.
 import dataclasses
 import math
 import typing
-from collections.abc import Callable
 from typing import Any
 from typing import ClassVar
 
@@ -440,31 +439,6 @@ def mode_for(mode: str, view: layout.MatrixView, tp_dim) -> str:
     if sharded_side < max(view.fan_in, view.fan_out):
       return "duplicated"
   return mode
-
-
-@dataclasses.dataclass
-class Leaf:
-  """A Muon leaf inside ``shard_map``, as the planners see it.
-
-  Attributes:
-    x: the local block (matrix axes over other mesh axes already gathered).
-    view: its ``MatrixView`` (global shape).
-    tp_dim: the matrix axis split over the tensor-parallel axis, or None.
-    finish: hands the orthogonalized block on.
-    replicated: whether its batch axes are replicated over
-      ``distribute_over`` (the layer-wise split applies).
-  """
-
-  x: jax.Array
-  view: layout.MatrixView
-  tp_dim: int | None
-  finish: Callable[[jax.Array], None]
-  replicated: bool
-
-  def solver(self, tp) -> str:
-    """The solver key: ``"replicated"`` splits the stack over
-    ``tp.distribute_over``, ``"local"`` runs it here."""
-    return "replicated" if self.replicated and tp.distribute_over else "local"
 
 
 def own_chunk(x, axis_name, dim):

@@ -67,9 +67,13 @@ def newton_schulz_bytes(
   return count * (2 * itemsize * m * n + 12 * m * n + 12 * side * side)
 
 
+Solve = Callable[[list[jax.Array]], list[jax.Array]]
+
+
 @dataclasses.dataclass
 class Task:
-  """Orthogonalization work that runs as one piece of a wave.
+  """Orthogonalization work that runs as one piece of a wave; ``run``
+  returns its outputs.
 
   Attributes:
     inputs: the arrays the task reads.
@@ -77,23 +81,26 @@ class Task:
       matrices to orthogonalize (gathers and all-to-alls happen here).
     restore: ``(matrices, context) -> outputs``, one per input, each of its
       input's shape.
-    finish: ``outputs -> None``: hands the results on.
-    solver: which solver orthogonalizes the matrices (a key of ``run``'s
-      ``solvers``); the matrices of one solver in one wave run together.
+    solve: ``matrices -> matrices``, how they are orthogonalized (e.g.
+      ``functools.partial(batched.orthogonalize_matrices, solver=...)``):
+      the matrices of the tasks of one wave with the same ``solve`` run
+      together, as one batched solve.
     bytes: the bytes the task keeps live.
     axis: a batch axis of every input along which the task may be split
       into equal parts (``None``: it cannot be split).
     unit: part sizes along ``axis`` preferably multiples of this.
+    owners: the caller's indices of the leaves the outputs belong to, one
+      per output (``()``: the caller keeps its own account).
   """
 
   inputs: Sequence[jax.Array]
   prepare: Callable[[Sequence[jax.Array]], tuple[list, Any]]
   restore: Callable[[list, Any], Sequence[jax.Array]]
-  finish: Callable[[Sequence[jax.Array]], None]
-  solver: Any
+  solve: Solve
   bytes: int
   axis: int | None = None
   unit: int = 1
+  owners: tuple[int, ...] = ()
 
   @property
   def count(self) -> int:
@@ -115,10 +122,10 @@ def split_axis(view: layout.MatrixView, shape) -> int | None:
   return max(axes, key=lambda a: shape[a]) if axes else None
 
 
-def view_task(x, view_of, finish, solver) -> Task:
-  """``x`` orthogonalized as the matrices of ``view_of(shape)``, for the
-  shape of ``x`` or of any part of it along its split axis; ``finish``
-  receives the result."""
+def view_task(x, view_of, solve: Solve, owner: int) -> Task:
+  """``x`` (the caller's leaf ``owner``) orthogonalized by ``solve`` as the
+  matrices of ``view_of(shape)``, for the shape of ``x`` or of any part of
+  it along its split axis."""
   view = view_of(tuple(x.shape))
 
   def prepare(inputs):
@@ -129,26 +136,26 @@ def view_task(x, view_of, finish, solver) -> Task:
     [x],
     prepare,
     lambda ms, v: [v.from_matrices(ms)],
-    lambda outputs: finish(outputs[0]),
-    solver,
+    solve,
     view_bytes(view, jnp.dtype(x.dtype).itemsize),
     split_axis(view, x.shape),
+    owners=(owner,),
   )
 
 
-def with_state(task: Task, states, step, finish_states) -> Task:
+def with_state(task: Task, states, step) -> Task:
   """``task`` that first computes its inputs, each from its leaf's gradient
   and state, inside its own wave (a part at a time when split):
-  ``step(g, state_arrays) -> (input, new_state_arrays)``; each leaf's new
-  state arrays go to its ``finish_states`` callable. So a leaf's state is
-  read (from host memory, or 8 bits) only in its wave, never all at once.
+  ``step(g, state_arrays) -> (input, new_state_arrays)``. So a leaf's state
+  is read (from host memory, or 8 bits) only in its wave, never all at once.
+  Its outputs are ``task``'s, then each input's new state arrays in order
+  (``split_states``).
 
   Args:
     task: a task whose inputs are the leaves' gradients.
     states: per input of ``task``, its leaf's state arrays (of the leaf's
       shape, or differing in the last axis only).
     step: the state's update (the momentum's).
-    finish_states: per input, a callable receiving the new state arrays.
   """
   own = len(task.inputs)
   counts = [len(arrays) for arrays in states]
@@ -167,12 +174,6 @@ def with_state(task: Task, states, step, finish_states) -> Task:
     context, new_states = context_and_states
     return [*task.restore(matrices, context), *new_states]
 
-  def finish(outputs):
-    task.finish(outputs[:own])
-    rest = iter(outputs[own:])
-    for n, done in zip(counts, finish_states):
-      done([next(rest) for _ in range(n)])
-
   axis = task.axis
   if axis is not None and any(
     a.ndim <= axis + 1 and a.shape != task.inputs[0].shape for a in flat
@@ -187,10 +188,17 @@ def with_state(task: Task, states, step, finish_states) -> Task:
     inputs=[*task.inputs, *flat],
     prepare=prepare,
     restore=restore,
-    finish=finish,
     bytes=task.bytes + extra,
     axis=axis,
   )
+
+
+def split_states(outputs, counts):
+  """A ``with_state`` task's outputs: its own, and per input its new state
+  arrays (``counts[i]`` of them)."""
+  own = len(outputs) - sum(counts)
+  rest = iter(outputs[own:])
+  return list(outputs[:own]), [[next(rest) for _ in range(n)] for n in counts]
 
 
 def _part_size(count: int, fit: int, unit: int) -> int:
@@ -208,41 +216,50 @@ def _part_size(count: int, fit: int, unit: int) -> int:
 
 def plan(tasks: Sequence[Task], budget: int) -> list[tuple[list[Task], int]]:
   """Waves of tasks: ``(tasks, part)``, where ``part`` is ``0`` for a wave of
-  whole tasks and, for a wave of one split task, the size of its parts."""
+  whole tasks and, for a wave of one split task, the size of its parts. A
+  split task runs as soon as it is met, before the whole tasks gathered for
+  the next wave."""
+  return [
+    ([tasks[i] for i in wave], part) for wave, part in _waves(tasks, budget)
+  ]
+
+
+def _waves(tasks: Sequence[Task], budget: int) -> list[tuple[list[int], int]]:
+  """``plan``'s waves, as the tasks' places in ``tasks``."""
   if sum(t.bytes for t in tasks) <= budget:
-    return [(list(tasks), 0)] if tasks else []
-  waves: list[tuple[list[Task], int]] = []
-  current: list[Task] = []
+    return [(list(range(len(tasks))), 0)] if tasks else []
+  waves: list[tuple[list[int], int]] = []
+  current: list[int] = []
   used = 0
-  for task in tasks:
+  for index, task in enumerate(tasks):
     if task.bytes > budget and task.axis is not None and task.count > 1:
       per_slice = -(-task.bytes // task.count)
       part = _part_size(
         task.count, max(task.unit, budget // per_slice), task.unit
       )
       if part < task.count:
-        waves.append(([task], part))
+        waves.append(([index], part))
         continue
     if current and used + task.bytes > budget:
       waves.append((current, 0))
       current, used = [], 0
-    current.append(task)
+    current.append(index)
     used += task.bytes
   if current:
     waves.append((current, 0))
   return waves
 
 
-def _solve(tasks, inputs, solvers):
-  """Outputs of whole ``tasks`` on ``inputs``, one solve per solver."""
+def _solve(tasks, inputs):
+  """Outputs of whole ``tasks`` on ``inputs``, one call of each ``solve``."""
   prepared = [task.prepare(x) for task, x in zip(tasks, inputs)]
-  by_solver: dict[Any, list[int]] = {}
+  by_solve: dict[Solve, list[int]] = {}
   for index, task in enumerate(tasks):
-    by_solver.setdefault(task.solver, []).append(index)
+    by_solve.setdefault(task.solve, []).append(index)
   solved: list[Any] = [None] * len(tasks)
-  for solver, members in by_solver.items():
+  for solve, members in by_solve.items():
     flat = [m for i in members for m in prepared[i][0]]
-    out = iter(solvers[solver](flat))
+    out = iter(solve(flat))
     for i in members:
       solved[i] = [next(out) for _ in prepared[i][0]]
   return [
@@ -251,7 +268,7 @@ def _solve(tasks, inputs, solvers):
   ]
 
 
-def _solve_in_parts(task, inputs, part, solvers, one=None):
+def _solve_in_parts(task, inputs, part, one=None):
   """A split task's outputs: a loop over its parts along ``task.axis``, and
   the last, shorter part after it when ``part`` does not divide the count.
   The loop carries the inputs and overwrites each part with its result once
@@ -265,7 +282,7 @@ def _solve_in_parts(task, inputs, part, solvers, one=None):
     pieces = [
       jax.lax.dynamic_slice_in_dim(x, begin, size, axis=axis) for x in carried
     ]
-    (results,) = _solve([task], [pieces], solvers)
+    (results,) = _solve([task], [pieces])
     return tuple(
       jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), begin, axis)
       for x, r in zip(carried, results)
@@ -293,29 +310,33 @@ def _one_after(previous):
   return 1.0 + 0.0 * jnp.isfinite(last).astype(jnp.float32)
 
 
-def run(tasks: Sequence[Task], budget: int, solvers: dict) -> None:
-  """Runs ``tasks`` in waves of at most ``budget`` bytes (see the module);
-  each task's ``finish`` receives its outputs.
+def run(tasks: Sequence[Task], budget: int) -> list[Sequence[jax.Array]]:
+  """Runs ``tasks`` in waves of at most ``budget`` bytes (see the module).
 
   Args:
     tasks: the work, in order.
     budget: bytes per device.
-    solvers: ``solver key -> (matrices -> matrices)``.
+
+  Returns:
+    Each task's outputs, in the order of ``tasks``.
   """
-  waves = plan(tasks, budget)
+  waves = _waves(tasks, budget)
+  results: list[Any] = [None] * len(tasks)
   previous: Any = ()
-  for wave, part in waves:
+  for places, part in waves:
+    wave = [tasks[i] for i in places]
     inputs = [list(task.inputs) for task in wave]
     one = None
     if len(waves) > 1:
       previous, inputs = jax.lax.optimization_barrier((previous, inputs))
       one = _one_after(previous)
     if part:
-      outputs = [_solve_in_parts(wave[0], inputs[0], part, solvers, one)]
+      outputs = [_solve_in_parts(wave[0], inputs[0], part, one)]
     else:
       if one is not None:
         inputs = jax.tree.map(lambda x: x * one.astype(x.dtype), inputs)
-      outputs = _solve(wave, inputs, solvers)
-    for task, out in zip(wave, outputs):
-      task.finish(out)
+      outputs = _solve(wave, inputs)
+    for i, out in zip(places, outputs):
+      results[i] = out
     previous = outputs
+  return results

@@ -1,6 +1,5 @@
 """The momentum transform of Muon (EMA or SGD style, optional bias correction)."""
 
-import functools
 import math
 import typing
 from collections.abc import Callable
@@ -89,7 +88,12 @@ def quantized_step(g, old: quantize.QuantizedArray, config, step):
   return update, quantize.quantize(new, old, config)
 
 
-def _quantized_task(g, stored, config, step, finish) -> waves.Task:
+def _unchanged(matrices):
+  """The solve of a task with no matrices (its work is in ``prepare``)."""
+  return matrices
+
+
+def _quantized_task(g, stored, config, step) -> waves.Task:
   """One leaf's 8-bit momentum update as work of a wave: its inputs the
   gradient, values and scales, its outputs the update (in the gradient's
   dtype) and the new values and scales, each of its input's shape. A stack
@@ -107,8 +111,7 @@ def _quantized_task(g, stored, config, step, finish) -> waves.Task:
     [g, stored.values, stored.scales],
     prepare,
     lambda matrices, results: results,
-    finish,
-    "elementwise",
+    _unchanged,
     # the gradient and update, int8 in and out, four float32 temporaries
     entries * (2 * jnp.dtype(g.dtype).itemsize + 2 + 16),
     0 if jnp.ndim(g) >= 3 and jnp.shape(g)[0] > 1 else None,
@@ -229,21 +232,16 @@ def momentum(
     del params
     grads, treedef = jax.tree.flatten(updates)
     stored = quantize.leaves(state.mu, treedef)
-    outputs: list[Any] = [None] * len(grads)
-    buffers: list[Any] = [None] * len(grads)
     step = lambda g, m: ema_step(g, m, weight_of(), beta, nesterov)
-
-    def finish(i, results):
-      outputs[i] = results[0]
-      buffers[i] = quantize.QuantizedArray(results[1], results[2])
-
-    tasks = [
-      _quantized_task(g, q, config, step, functools.partial(finish, i))
-      for i, (g, q) in enumerate(zip(grads, stored))
-    ]
-    waves.run(tasks, budget, {"elementwise": lambda matrices: matrices})
-    return treedef.unflatten(outputs), MomentumState(
-      mu=quantize.from_leaves(treedef, buffers)
+    tasks = [_quantized_task(g, q, config, step) for g, q in zip(grads, stored)]
+    outputs = waves.run(tasks, budget)
+    return treedef.unflatten([update for update, _, _ in outputs]), (
+      MomentumState(
+        mu=quantize.from_leaves(
+          treedef,
+          [quantize.QuantizedArray(v, s) for _, v, s in outputs],
+        )
+      )
     )
 
   def update_fn(updates, state, params=None):

@@ -7,8 +7,8 @@ then put back.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
-from typing import Any
 from typing import NamedTuple
 
 import jax
@@ -193,32 +193,30 @@ def orthogonalizer(
       if states is None:
         return jax.tree.unflatten(treedef, out), None
       return jax.tree.unflatten(treedef, out[0]), out[1]
-    new_leaves: list[Any] = [None] * len(viewed)
-    new_states: list[Any] = [None] * len(viewed)
+    solve = functools.partial(batched.orthogonalize_matrices, solver=solver)
     tasks = [
       waves.view_task(
         leaf,
         lambda shape, v=view: dataclasses.replace(v, shape=shape),
-        lambda out, i=i: new_leaves.__setitem__(i, out),
-        "local",
+        solve,
+        i,
       )
       for i, (_, leaf, view) in enumerate(viewed)
     ]
     if states is not None:
       tasks = [
-        waves.with_state(
-          task, [states[i]], step, [lambda a, i=i: new_states.__setitem__(i, a)]
-        )
+        waves.with_state(task, [states[i]], step)
         for i, task in enumerate(tasks)
       ]
-    waves.run(
-      tasks,
-      budget,
-      {"local": lambda ms: batched.orthogonalize_matrices(ms, solver)},
-    )
-    return jax.tree.unflatten(treedef, new_leaves), (
-      None if states is None else new_states
-    )
+    outputs = waves.run(tasks, budget)
+    if states is None:
+      return jax.tree.unflatten(treedef, [out for (out,) in outputs]), None
+    done = [
+      waves.split_states(out, [len(states[i])]) for i, out in enumerate(outputs)
+    ]
+    return jax.tree.unflatten(treedef, [own[0] for own, _ in done]), [
+      arrays for _, (arrays,) in done
+    ]
 
   def update_fn(updates, state, params=None):
     del params
