@@ -234,7 +234,7 @@ def test_an_explicit_mesh_takes_a_replicated_state(member):
 def test_each_shard_selects_its_own_fraction_of_its_slices():
   # a (16, 40) leaf, its 40 columns over 4 ranks: 10 a shard, and
   # ⌈0.25 · 10⌉ = 3 selected in each (not ⌈0.25 · 40⌉ // 4 = 2)
-  from optax_muon._src.optimizers import dion2_local
+  from optax_muon._src.parallel import dion2_local
   from optax_muon._src.views import layout
 
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=AUTO)

@@ -44,16 +44,16 @@ from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import signatures
 from optax_muon._src.base import types
 from optax_muon._src.base.trees import pieces_structure
+from optax_muon._src.kernels import dion_power
 from optax_muon._src.kernels import matrices
-from optax_muon._src.optimizers import dion_distributed
-from optax_muon._src.optimizers import dion_power
+from optax_muon._src.kernels.dion2_selection import explicit_sharding
+from optax_muon._src.kernels.dion2_selection import replicated
+from optax_muon._src.kernels.dion2_selection import resharded
+from optax_muon._src.kernels.dion_power import QR_METHODS
+from optax_muon._src.kernels.dion_power import dion_rank
 from optax_muon._src.optimizers import settings
-from optax_muon._src.optimizers.dion2_selection import explicit_sharding
-from optax_muon._src.optimizers.dion2_selection import replicated
-from optax_muon._src.optimizers.dion2_selection import resharded
-from optax_muon._src.optimizers.dion_power import QR_METHODS
-from optax_muon._src.optimizers.dion_power import dion_rank
 from optax_muon._src.optimizers.route import route
+from optax_muon._src.parallel import dion_distributed
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.momentum import canonical_dtype

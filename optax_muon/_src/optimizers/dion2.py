@@ -37,7 +37,7 @@ from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import signatures
 from optax_muon._src.base import types
 from optax_muon._src.base.trees import pieces_structure
-from optax_muon._src.optimizers import dion2_selection as selection
+from optax_muon._src.kernels import dion2_selection as selection
 from optax_muon._src.optimizers import dion2_step
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route

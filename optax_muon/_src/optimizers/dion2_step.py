@@ -14,9 +14,9 @@ from jax.sharding import NamedSharding
 
 from optax_muon._src.base import types
 from optax_muon._src.kernels import batched
+from optax_muon._src.kernels import dion2_selection as selection
 from optax_muon._src.kernels import shape_scale
-from optax_muon._src.optimizers import dion2_local
-from optax_muon._src.optimizers import dion2_selection as selection
+from optax_muon._src.parallel import dion2_local
 from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import orthogonalize as orthogonalize_lib

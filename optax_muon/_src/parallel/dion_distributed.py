@@ -30,7 +30,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_muon._src.optimizers import dion_power
+from optax_muon._src.kernels import dion_power
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.tensor_parallel import placed_as
 from optax_muon._src.views import layout as layout_lib

@@ -33,8 +33,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
-from optax_muon._src.optimizers.dion2_selection import normalize_neurons
-from optax_muon._src.optimizers.dion2_selection import selected_count
+from optax_muon._src.kernels.dion2_selection import normalize_neurons
+from optax_muon._src.kernels.dion2_selection import selected_count
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.tensor_parallel import placed_as
 from optax_muon._src.parallel.tensor_parallel import tp_dim_of
