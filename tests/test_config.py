@@ -685,6 +685,71 @@ def test_a_members_field_set_for_another_member_is_refused_by_name(
   om.MuonConfig(optimizer="adam", **{field: value})
 
 
+@pytest.mark.parametrize(
+  "fields, message",
+  [
+    (
+      dict(optimizer="dion2", muon_tp_mode="blockwise"),
+      "muon_tp_mode='blockwise' is not accepted with optimizer='dion2'",
+    ),
+    (
+      dict(optimizer="nordion2", muon_tp_mode="auto"),
+      "muon_tp_mode='auto' is not accepted with optimizer='nordion2'",
+    ),
+    (
+      dict(optimizer="dion", muon_tp_mode="duplicated"),
+      "muon_tp_mode='duplicated' is not accepted with optimizer='dion'",
+    ),
+    (
+      dict(optimizer="dion", use_layer_wise_distributed_optimizer=True),
+      "use_layer_wise_distributed_optimizer=True is not accepted with "
+      "optimizer='dion'.*'muon'",
+    ),
+    (
+      dict(optimizer="dion2", muon_momentum_bits=8),
+      "muon_momentum_bits=8 is not accepted with optimizer='dion2'",
+    ),
+  ],
+)
+def test_a_setting_a_member_does_not_take_is_refused_by_name(fields, message):
+  # what each member takes is declared beside it (optimizers.registry)
+  with pytest.raises(ValueError, match=message):
+    om.MuonConfig(**fields)
+
+
+def test_every_member_is_built_by_the_config_as_by_its_function():
+  params = {"w": normal(jax.random.key(0), (16, 32)), "b": jnp.zeros(32)}
+  grads = {"w": normal(jax.random.key(1), (16, 32)), "b": jnp.ones(32)}
+  direct = {
+    "muon": om.muon(0.1),
+    "adaptive_muon": om.adaptive_muon(0.1),
+    "muon_bp": om.muon_bp(0.1, period=5),
+    # the config's Newton–Schulz schedule and scale are Muon's
+    "dion2": om.dion2(0.1, coefficients="quintic", scale_mode="spectral"),
+    "nordion2": om.nordion2(
+      0.1, beta=0.95, coefficients="quintic", scale_mode="spectral"
+    ),
+    "dion": om.dion(0.1, ef_decay=0.95, scale_mode="spectral"),
+  }
+  # the config's defaults that differ from the functions': none of these
+  defaults = dict(
+    muon_fp32_matmul_prec="highest",
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    weight_decay=0.0,
+    clip_grad=0.0,
+    muon_split_qkv=False,
+    muon_split_gate_up=False,
+  )
+  assert set(direct) == set(muon_config.OPTIMIZERS) - {"adam"}
+  for name, tx in direct.items():
+    config = om.MuonConfig(optimizer=name, **defaults)
+    built = config.build(0.1)
+    got, _ = built.update(grads, built.init(params), params)
+    want, _ = tx.update(grads, tx.init(params), params)
+    chex.assert_trees_all_close(got, want, atol=1e-6, custom_message=name)
+
+
 def _megatron_tp_tree():
   """A Megatron TP layer: fused QKV [Q | K | V] and gate-up [gate | up]
   column-parallel over 4 ranks (no shard holds a whole piece), the output

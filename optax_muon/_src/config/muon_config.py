@@ -9,11 +9,9 @@ Field names and defaults follow verl's ``actor.optim`` and Megatron-Core's
 """
 
 import dataclasses
-import functools
 import math
 import typing
 import warnings
-from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
@@ -29,11 +27,14 @@ from optax_muon._src.config import overrides as overrides_lib
 from optax_muon._src.kernels import coefficients
 from optax_muon._src.kernels import matrices
 from optax_muon._src.kernels import shape_scale
-from optax_muon._src.optimizers import adaptive
+
+# the members: each registers itself (optimizers.registry) when imported
+from optax_muon._src.optimizers import adaptive  # noqa: F401
 from optax_muon._src.optimizers import dion as dion_lib
 from optax_muon._src.optimizers import dion2 as dion2_lib
-from optax_muon._src.optimizers import muon as alias
-from optax_muon._src.optimizers import muon_bp as muon_bp_lib
+from optax_muon._src.optimizers import muon  # noqa: F401
+from optax_muon._src.optimizers import muon_bp  # noqa: F401
+from optax_muon._src.optimizers import registry
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import SCALAR_OPTIMIZERS
 from optax_muon._src.optimizers.route import matrices_only
@@ -46,23 +47,18 @@ from optax_muon._src.transforms import momentum
 from optax_muon._src.transforms import qk_clip as qk_clip_lib
 from optax_muon._src.views import layout as layout_lib
 
-OPTIMIZERS = (
+# "adam", then the family members as they declare themselves beside their
+# own code (``optimizers.registry``), "muon" first
+MEMBERS = registry.MEMBERS
+OPTIMIZERS = ("adam", *sorted(MEMBERS, key=lambda name: name != "muon"))
+# optimizer_offload: optax's AdamW and the members that take no
+# state_memory_kind have the whole chain's state offloaded
+# (``offload.offload_state``); the others are given state_memory_kind, so
+# their state comes to the device a wave at a time
+OFFLOADED_WHOLE = (
   "adam",
-  "muon",
-  "adaptive_muon",
-  "muon_bp",
-  "dion2",
-  "nordion2",
-  "dion",
+  *(name for name, m in MEMBERS.items() if not m.takes_state_memory_kind),
 )
-# the members with no Muon tensor-parallel mode of their own: without
-# muon_tp_mode XLA partitions them under jit
-WITHOUT_TP_MODE = ("dion2", "nordion2", "dion")
-# optimizer_offload: the members that take no state_memory_kind (optax's
-# AdamW; MuonBP, two Muons sharing one state) have the whole chain's state
-# offloaded (``offload.offload_state``); the others are given
-# state_memory_kind, so their state comes to the device a wave at a time
-OFFLOADED_WHOLE = ("adam", "muon_bp")
 # The fields that are a family keyword under Megatron-Core's name. Every other
 # field named ``muon_<keyword>`` (or ``<keyword>``) of the family's keywords
 # (``settings.MuonOptions``) is that keyword as it is; ``build`` makes the
@@ -74,20 +70,15 @@ FIELD_KEYWORDS = {
   "muon_num_ns_steps": "steps",
   "muon_fp32_matmul_prec": "precision",
 }
-# take an exact muon_tp_mode: each shard selects its own slices
-DION2_FAMILY = ("dion2", "nordion2")
-# field prefix -> the optimizers that read the fields (longest prefix first:
-# "dion2_" before "dion_" cannot clash, "nordion2_" is its own)
+# field prefix -> the optimizers that read the fields (no prefix is another's
+# start: "dion2_" and "dion_", "nordion2_")
 FIELDS_READ_BY = {
-  "adaptive_muon_": ("adaptive_muon",),
-  "dion2_": DION2_FAMILY,
-  "nordion2_": ("nordion2",),
-  "dion_": ("dion",),
-  "muon_bp_": ("muon_bp",),
+  prefix: tuple(
+    name for name, m in MEMBERS.items() if prefix in m.field_prefixes
+  )
+  for m in MEMBERS.values()
+  for prefix in m.field_prefixes
 }
-# Dion takes muon_tp_mode="distributed": its own scheme, each device keeps
-# its block of every matrix
-DION_TP_MODES = (None, "distributed")
 TP_MODES = sharding_lib.MODES
 
 
@@ -323,37 +314,23 @@ class MuonConfig:
     _checks.check_choice(
       "dion_qr_method", self.dion_qr_method, dion_lib.QR_METHODS
     )
-    if self.optimizer in DION2_FAMILY and self.muon_tp_mode not in (
-      None,
-      *sharding_lib.EXACT_MODES,
-    ):
+    member = MEMBERS.get(self.optimizer)
+    if member is None:  # adam
+      return
+    if member.tp_modes is not None and self.muon_tp_mode not in member.tp_modes:
       raise ValueError(
         f"muon_tp_mode={self.muon_tp_mode!r} is not accepted with "
-        f"optimizer={self.optimizer!r} (its selected slices are "
-        "orthogonalized whole); "
-        "accepted values: None (the whole matrix's selection, partitioned "
-        f"by XLA) or one of {sharding_lib.EXACT_MODES} (each shard selects "
-        "its own slices, microsoft/dion's local scope)"
+        f"optimizer={self.optimizer!r} ({member.tp_modes_why}); accepted "
+        f"values: {list(member.tp_modes)}"
       )
-    if self.optimizer == "dion" and self.muon_tp_mode not in DION_TP_MODES:
-      raise ValueError(
-        f"muon_tp_mode={self.muon_tp_mode!r} is not accepted with "
-        "optimizer='dion'; accepted values: None (a split matrix gathered "
-        "for its step, or partitioned by XLA) or 'distributed' (Dion's own "
-        "scheme: each device keeps its block, P and R are all-reduced)"
-      )
-    if (
-      self.optimizer in WITHOUT_TP_MODE
-      and self.use_layer_wise_distributed_optimizer
-    ):
+    with_modes = [name for name, m in MEMBERS.items() if not m.own_scheme]
+    if member.own_scheme and self.use_layer_wise_distributed_optimizer:
       raise ValueError(
         "use_layer_wise_distributed_optimizer=True is not accepted with "
         f"optimizer={self.optimizer!r} (it orthogonalizes no whole stack to "
-        "share out); accepted: False, or optimizer='muon' or 'muon_bp'"
+        f"share out); accepted: False, or optimizer in {with_modes}"
       )
-    if (
-      self.optimizer in WITHOUT_TP_MODE and self.muon_momentum_bits is not None
-    ):
+    if member.own_scheme and self.muon_momentum_bits is not None:
       raise ValueError(
         f"muon_momentum_bits={self.muon_momentum_bits} is not accepted with "
         f"optimizer={self.optimizer!r} (its momentum is a sum kept in the "
@@ -448,10 +425,14 @@ class MuonConfig:
     return float(self.muon_extra_scale_factor)
 
   @property
-  def _family_sharded(self) -> bool:
-    """Dion2 or NorDion2 with an exact ``muon_tp_mode`` (their local
-    selection scope), or Dion with ``"distributed"`` (its own scheme)."""
-    return self.optimizer in WITHOUT_TP_MODE and self.muon_tp_mode is not None
+  def _tp_sharded(self) -> bool:
+    """Whether ``build``'s mesh shards the member: Muon's modes, or a
+    member of its own scheme with ``muon_tp_mode`` set (Dion2's local
+    selection scope, Dion's ``"distributed"``)."""
+    member = MEMBERS.get(self.optimizer)
+    return member is not None and (
+      not member.own_scheme or self.muon_tp_mode is not None
+    )
 
   @property
   def tp_mode(self) -> types.TensorParallelMode:
@@ -580,9 +561,9 @@ class MuonConfig:
     check_split = self.muon_split_qkv and split is None
     if check_split and params is not None:
       _check_no_fused_qkv(params)
-    optimizer = self._member()
+    member = MEMBERS[self.optimizer]
     keywords = self._family_keywords()
-    if self.optimizer not in OFFLOADED_WHOLE:
+    if member.takes_state_memory_kind:
       # the member keeps its own state in host memory, a wave at a time
       keywords["state_memory_kind"] = (
         "pinned_host" if self.optimizer_offload else None
@@ -613,8 +594,8 @@ class MuonConfig:
         )
       ),
     )
-    member = optimizer(lr, **keywords)
-    tx = built.wrapped(optax.chain(*clip, member, *clip_logits), member)
+    inner = member.factory(self, lr, **keywords)
+    tx = built.wrapped(optax.chain(*clip, inner, *clip_logits), inner)
     if not check_split:
       return tx
 
@@ -638,9 +619,7 @@ class MuonConfig:
   def _sharding(self, mesh, specs, tp_axis):
     """The ``TensorParallel`` ``build``'s mesh and ``muon_tp_mode`` ask
     for, or ``None``."""
-    if mesh is not None and (
-      self.optimizer not in WITHOUT_TP_MODE or self._family_sharded
-    ):
+    if mesh is not None and self._tp_sharded:
       axes = list(mesh.axis_names)
       if tp_axis not in axes:
         raise ValueError(
@@ -656,8 +635,9 @@ class MuonConfig:
           )
         distribute = "data"
       mode, auto_modes = self.tp_mode, sharding_lib.EXACT_MODES
-      if self.optimizer == "muon_bp" and self.muon_tp_mode is None:
-        mode = "auto"  # its block steps are blockwise; full steps exact
+      unset = MEMBERS[self.optimizer].unset_tp_mode
+      if self.muon_tp_mode is None and unset is not None:
+        mode = unset
       elif self.muon_tp_mode is None and rates_lib.rates_of(mesh):
         # Megatron's blockwise wherever a leaf's shards are whole pieces
         # (cheapest, so auto takes it); the exact mode of least modeled time
@@ -682,78 +662,6 @@ class MuonConfig:
         "mesh; pass build(..., mesh=mesh) or leave muon_tp_mode unset"
       )
     return None
-
-  def _member(self) -> Callable[..., optax.GradientTransformation]:
-    """The family member ``optimizer`` names, taking ``om.muon``'s
-    keywords."""
-    if self.optimizer == "adaptive_muon":
-      return functools.partial(
-        adaptive.adaptive_muon,
-        moment2_method=self.adaptive_muon_moment2_method,
-        beta2=self.adaptive_muon_beta2,
-        moment2_eps=self.adaptive_muon_eps,
-      )
-    if self.optimizer == "muon_bp":
-      return functools.partial(muon_bp_lib.muon_bp, period=self.muon_bp_period)
-    if self.optimizer == "dion":
-      return self._dion
-    if self.optimizer in WITHOUT_TP_MODE:
-      return self._dion2_family
-    return alias.muon
-
-  def _dion2_family(
-    self, learning_rate, *, beta, nesterov, momentum_style, sharding, **kwargs
-  ):
-    """``om.dion2`` or ``om.nordion2`` from ``build``'s Muon keywords; the
-    momentum's do not apply (a sum, decayed where selected). ``sharding``
-    is set when ``muon_tp_mode`` names an exact mode (each shard selects
-    its own slices)."""
-    del nesterov, momentum_style
-    if self.optimizer == "dion2":
-      return dion2_lib.dion2(
-        learning_rate,
-        fraction=self.dion2_fraction,
-        ef_decay=self.dion2_ef_decay,
-        sharding=sharding,
-        selection_scope=self.dion2_selection_scope,
-        **kwargs,
-      )
-    return dion2_lib.nordion2(
-      learning_rate,
-      fraction=self.dion2_fraction,
-      beta=beta,
-      beta2=self.nordion2_beta2,
-      sharding=sharding,
-      selection_scope=self.dion2_selection_scope,
-      **kwargs,
-    )
-
-  def _dion(
-    self,
-    learning_rate,
-    *,
-    beta,
-    nesterov,
-    momentum_style,
-    sharding,
-    **kwargs,
-  ):
-    """``om.dion`` from ``build``'s Muon keywords: ``muon_momentum`` is its
-    ``ef_decay``; the Newton–Schulz settings do not apply. ``sharding`` is
-    set when ``muon_tp_mode="distributed"`` (Dion's own scheme)."""
-    del nesterov, momentum_style
-    return dion_lib.dion(
-      learning_rate,
-      rank_fraction=self.dion_rank_fraction,
-      qr_method=self.dion_qr_method,
-      ef_decay=beta,
-      sharding=sharding,
-      **{
-        name: value
-        for name, value in kwargs.items()
-        if name not in settings.NEWTON_SCHULZ
-      },
-    )
 
 
 def _check_no_fused_qkv(params) -> None:

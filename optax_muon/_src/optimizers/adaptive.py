@@ -32,6 +32,7 @@ from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import signatures
 from optax_muon._src.base import types
+from optax_muon._src.optimizers import registry
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.transforms.moment2 import Moment2State
@@ -181,3 +182,23 @@ def adaptive_muon(
     )
   )
   return route(direction, learning_rate, **settings.forward(route, arguments))
+
+
+def _from_config(config, learning_rate, **keywords):
+  """``MuonConfig(optimizer="adaptive_muon")``: Megatron-Core's name, with
+  the ``adaptive_muon_*`` fields."""
+  return adaptive_muon(
+    learning_rate,
+    moment2_method=config.adaptive_muon_moment2_method,
+    beta2=config.adaptive_muon_beta2,
+    moment2_eps=config.adaptive_muon_eps,
+    **keywords,
+  )
+
+
+registry.register(
+  "adaptive_muon",
+  registry.ConfigMember(
+    factory=_from_config, field_prefixes=("adaptive_muon_",)
+  ),
+)

@@ -51,6 +51,7 @@ from optax_muon._src.kernels.dion2_selection import replicated
 from optax_muon._src.kernels.dion2_selection import resharded
 from optax_muon._src.kernels.dion_power import QR_METHODS
 from optax_muon._src.kernels.dion_power import dion_rank
+from optax_muon._src.optimizers import registry
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel import dion_distributed
@@ -371,3 +372,40 @@ def dion(
     )
   )
   return route(direction, learning_rate, **settings.forward(route, arguments))
+
+
+def _from_config(
+  config, learning_rate, *, beta, nesterov, momentum_style, **keywords
+):
+  """``MuonConfig(optimizer="dion")`` with the ``dion_*`` fields:
+  ``muon_momentum`` is its ``ef_decay``; the Newton–Schulz settings do not
+  apply. ``sharding`` is set when ``muon_tp_mode="distributed"`` (Dion's
+  own scheme)."""
+  del nesterov, momentum_style
+  return dion(
+    learning_rate,
+    rank_fraction=config.dion_rank_fraction,
+    qr_method=config.dion_qr_method,
+    ef_decay=beta,
+    **{
+      name: value
+      for name, value in keywords.items()
+      if name not in settings.NEWTON_SCHULZ
+    },
+  )
+
+
+registry.register(
+  "dion",
+  registry.ConfigMember(
+    factory=_from_config,
+    field_prefixes=("dion_",),
+    tp_modes=(None, "distributed"),
+    tp_modes_why=(
+      "None: a split matrix gathered for its step, or partitioned by XLA; "
+      "'distributed': Dion's own scheme, each device keeps its block, P and "
+      "R are all-reduced"
+    ),
+    own_scheme=True,
+  ),
+)

@@ -39,6 +39,7 @@ from optax_muon._src.base import types
 from optax_muon._src.base.trees import pieces_structure
 from optax_muon._src.kernels import dion2_selection as selection
 from optax_muon._src.optimizers import dion2_step
+from optax_muon._src.optimizers import registry
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
@@ -329,3 +330,45 @@ def nordion2(
     )
   )
   return route(direction, learning_rate, **settings.forward(route, arguments))
+
+
+def _from_config(
+  config, learning_rate, *, beta, nesterov, momentum_style, **keywords
+):
+  """``MuonConfig(optimizer="dion2" | "nordion2")`` with the ``dion2_*``
+  fields (and NorDion2's ``nordion2_beta2``; its β is ``muon_momentum``);
+  the momentum's other settings do not apply (a sum, decayed where
+  selected). ``sharding`` is set when ``muon_tp_mode`` names an exact mode
+  (each shard selects its own slices)."""
+  del nesterov, momentum_style
+  shared = dict(
+    fraction=config.dion2_fraction,
+    selection_scope=config.dion2_selection_scope,
+    **keywords,
+  )
+  if config.optimizer == "dion2":
+    return dion2(learning_rate, ef_decay=config.dion2_ef_decay, **shared)
+  return nordion2(
+    learning_rate, beta=beta, beta2=config.nordion2_beta2, **shared
+  )
+
+
+_SLICES_WHOLE = (
+  "its selected slices are orthogonalized whole: None, the whole matrix's "
+  "selection partitioned by XLA, or an exact mode, each shard selecting its "
+  "own slices (microsoft/dion's local scope)"
+)
+for _name, _prefixes in (
+  ("dion2", ("dion2_",)),
+  ("nordion2", ("dion2_", "nordion2_")),
+):
+  registry.register(
+    _name,
+    registry.ConfigMember(
+      factory=_from_config,
+      field_prefixes=_prefixes,
+      tp_modes=(None, *EXACT_MODES),
+      tp_modes_why=_SLICES_WHOLE,
+      own_scheme=True,
+    ),
+  )

@@ -8,6 +8,7 @@ from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import signatures
 from optax_muon._src.base import types
+from optax_muon._src.optimizers import registry
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.transforms import momentum as momentum_lib
@@ -214,3 +215,12 @@ def muon(
     **settings.forward(route, arguments),
     direction_streams=True,
   )
+
+
+def _from_config(config, learning_rate, **keywords):
+  """``MuonConfig(optimizer="muon")``: ``muon`` with the config's keywords."""
+  del config
+  return muon(learning_rate, **keywords)
+
+
+registry.register("muon", registry.ConfigMember(factory=_from_config))

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_muon._src.optimizers import muon as alias
+from optax_muon._src.optimizers import registry
 from optax_muon._src.parallel.tensor_parallel import EXACT_MODES
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.tensor_parallel import check_sharding
@@ -146,3 +147,22 @@ def muon_bp(
   )
   block = alias.muon(learning_rate, **dict(muon_kwargs, sharding=blockwise))
   return alternate(full, block, period)
+
+
+def _from_config(config, learning_rate, **keywords):
+  """``MuonConfig(optimizer="muon_bp")``, every ``muon_bp_period`` steps a
+  full one."""
+  return muon_bp(learning_rate, period=config.muon_bp_period, **keywords)
+
+
+registry.register(
+  "muon_bp",
+  registry.ConfigMember(
+    factory=_from_config,
+    field_prefixes=("muon_bp_",),
+    # two Muons share one state: it is offloaded whole
+    takes_state_memory_kind=False,
+    # its block steps are blockwise; its full steps the exact mode auto picks
+    unset_tp_mode="auto",
+  ),
+)
