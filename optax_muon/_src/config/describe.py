@@ -241,22 +241,6 @@ _TORCH_MUON_READ = (
 )
 # sharded by schemes of their own, not by the tensor-parallel modes
 _OWN_SCHEMES = ("dion", "scale_by_dion", "dion2", "nordion2", "scale_by_dion2")
-_READ = (
-  "labels",
-  "dimension_numbers",
-  "split_qkv",
-  "split_gate_up",
-  "layout",
-  "scale_mode",
-  "match_adamw_update_rms",
-  "extra_scale_factor",
-  "moment2_method",
-  "sharding",
-  "steps",
-  "precision",
-  "preconditioning",
-  "memory_budget",
-)
 
 
 def settings_of(optimizer) -> dict[str, Any]:
@@ -272,7 +256,14 @@ def settings_of(optimizer) -> dict[str, Any]:
       " — wrap nothing around it, or pass its settings to describe instead"
     )
   arguments = found.arguments
-  settings = {name: arguments[name] for name in _READ if name in arguments}
+  # describe's own settings, as the optimizer was built with them (adam_b1
+  # under the name its builder gives it)
+  read = [
+    name
+    for name in inspect.signature(describe).parameters
+    if name not in ("params", "optimizer", "adam_b1")
+  ]
+  settings = {name: arguments[name] for name in read if name in arguments}
   settings["adam_b1"] = (
     arguments["adamw_beta1"]  # a direction's
     if "adamw_beta1" in arguments
