@@ -1,6 +1,7 @@
 """The memory budget: the orthogonalization in waves, stacks split over their
 batch axes, waves ordered in the program; every mode exact against one wave."""
 
+import dataclasses
 import re
 import sys
 
@@ -298,6 +299,11 @@ def test_plan_packs_whole_tasks_and_splits_stacks_into_parts():
   assert sizes == [([40, 50], 0), ([30], 0), ([100], 0)]
   planned = waves.plan([_task(120, axis=0, count=12)], budget=35)
   assert planned[0][1] == 3  # 3 slices of 10 bytes (a divisor of 12)
+  # pipelined parts: three in flight, two of them at half their bytes or
+  # less, so 3 slices of 10 bytes take 45
+  pipelined = dataclasses.replace(_task(120, axis=0, count=12), pipelined=True)
+  assert waves.plan([pipelined], budget=45)[0][1] == 3
+  assert waves.plan([pipelined], budget=44)[0][1] == 2
   # 13 slices (a prime count of layers): parts of 3 and a last one of 1,
   # not 13 parts of one
   planned = waves.plan([_task(130, axis=0, count=13)], budget=35)

@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optax_muon._src.parallel import duplicated
 from optax_muon._src.parallel import waves
@@ -116,51 +117,86 @@ def _join_free(x: jax.Array, free: int, pieces: int) -> jax.Array:
   return x.transpose(0, 2, 1, 3).reshape(n // pieces, a, pieces * b)
 
 
-def _tiled_all_to_all(x, axis_name, split_axis: int, concat_axis: int):
-  """``jax.lax.all_to_all(x, axis_name, split_axis, concat_axis,
-  tiled=True)`` as an exchange along a leading axis of the ranks (a
-  reshape, not copies of the chunks): XLA's CPU compiler rejects the tiled
-  form when one all-to-all moves blocks of differently laid out stacks (an
-  MLP's up and down kernels under FSDP on a (4, 2) mesh: "operands with
-  different shapes")."""
-  ranks = jax.lax.axis_size(axis_name)
+def _to_ranks(x: jax.Array, split_axis: int, ranks: int) -> jax.Array:
+  """``x`` with axis ``split_axis`` cut into ``ranks`` chunks, the chunks
+  along a new leading axis (a reshape, not copies of the chunks)."""
   shape = x.shape
   chunked = x.reshape(
     shape[:split_axis]
     + (ranks, shape[split_axis] // ranks)
     + shape[split_axis + 1 :]
   )
-  received = jax.lax.all_to_all(
-    jnp.moveaxis(chunked, split_axis, 0), axis_name, 0, 0
-  )  # received[j]: rank j's chunk
+  return jnp.moveaxis(chunked, split_axis, 0)
+
+
+def _from_ranks(received: jax.Array, concat_axis: int) -> jax.Array:
+  """Inverse of ``_to_ranks`` for the chunks received from each rank,
+  joined along ``concat_axis``."""
   merged = jnp.moveaxis(received, 0, concat_axis)
   out = list(merged.shape)
-  out[concat_axis : concat_axis + 2] = [ranks * out[concat_axis + 1]]
+  out[concat_axis : concat_axis + 2] = [out[concat_axis] * out[concat_axis + 1]]
   return merged.reshape(out)
 
 
-def _shards_to_whole(stack: jax.Array, axis_name, tp_dim: int) -> jax.Array:
+def _exchange(payloads: list[jax.Array], axis_name) -> list[jax.Array]:
+  """Each ``(ranks, ...)`` payload's chunk ``j`` sent to rank ``j``, and
+  what each rank sent received in its place: one all-to-all for all of them
+  (flattened and put side by side) where they share a dtype.
+
+  One all-to-all along a leading axis of the ranks, not the tiled form over
+  the arrays' own axes: XLA's CPU compiler rejects that when one all-to-all
+  moves blocks of differently laid out stacks (an MLP's up and down kernels
+  under FSDP on a (4, 2) mesh: "operands with different shapes")."""
+  if len({p.dtype for p in payloads}) > 1:
+    return [_exchange([p], axis_name)[0] for p in payloads]
+  flat = [p.reshape(p.shape[0], -1) for p in payloads]
+  together = flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)
+  received = jax.lax.all_to_all(together, axis_name, 0, 0)
+  bounds = np.cumsum([f.shape[1] for f in flat])[:-1]
+  return [
+    r.reshape(p.shape)
+    for r, p in zip(jnp.split(received, bounds, axis=1), payloads)
+  ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Relayout:
   """A stack ``(P, r, c)`` of local shards, split along ``tp_dim`` (1 or 2)
   over the ``P`` ranks' matrices, re-laid out so that each rank holds its
-  ``P/N`` whole matrices: one all-to-all."""
-  ranks = jax.lax.axis_size(axis_name)
-  free = 3 - tp_dim
-  pieces = _pieces(stack.shape[0], ranks, stack.shape[free])
-  whole = _tiled_all_to_all(
-    _split_free(stack, free, pieces), axis_name, 0, tp_dim
-  )
-  return _join_free(whole, free, pieces)
+  ``P/N`` whole matrices (``to_whole``), and back (``to_shards``): each one
+  all-to-all, in two halves (``send_*``, ``receive_*``) so that one
+  all-to-all may carry a part each way (``_exchange``)."""
 
+  ranks: int
+  tp_dim: int
 
-def _whole_to_shards(whole: jax.Array, axis_name, tp_dim: int) -> jax.Array:
-  """Inverse of ``_shards_to_whole``."""
-  ranks = jax.lax.axis_size(axis_name)
-  free = 3 - tp_dim
-  pieces = _pieces(whole.shape[0] * ranks, ranks, whole.shape[free])
-  shards = _tiled_all_to_all(
-    _split_free(whole, free, pieces), axis_name, tp_dim, 0
-  )
-  return _join_free(shards, free, pieces)
+  @property
+  def free(self) -> int:
+    return 3 - self.tp_dim
+
+  def send_whole(self, stack: jax.Array) -> jax.Array:
+    pieces = _pieces(stack.shape[0], self.ranks, stack.shape[self.free])
+    return _to_ranks(_split_free(stack, self.free, pieces), 0, self.ranks)
+
+  def receive_whole(self, received: jax.Array, count: int) -> jax.Array:
+    """``count``: the stack's length (``P``)."""
+    whole = _from_ranks(received, self.tp_dim)
+    pieces = _pieces(count, self.ranks, whole.shape[self.free])
+    return _join_free(whole, self.free, pieces)
+
+  def send_shards(self, whole: jax.Array) -> jax.Array:
+    pieces = self.pieces_back(whole)
+    return _to_ranks(
+      _split_free(whole, self.free, pieces), self.tp_dim, self.ranks
+    )
+
+  def receive_shards(self, received: jax.Array, pieces: int) -> jax.Array:
+    return _join_free(_from_ranks(received, 0), self.free, pieces)
+
+  def pieces_back(self, whole: jax.Array) -> int:
+    return _pieces(
+      whole.shape[0] * self.ranks, self.ranks, whole.shape[self.free]
+    )
 
 
 def _allgather_unit(member: WideMember, ranks: int) -> int:
@@ -183,24 +219,46 @@ def _task(
   per_rank = -(-items // tp.size)
   itemsize = first.x.dtype.itemsize
 
-  def prepare(inputs):
+  relayout = _Relayout(tp.size, first.wide_tp_dim)
+
+  def send(inputs):
     stack = jnp.concatenate([m.wide_items(x) for m, x in zip(members, inputs)])
     count = stack.shape[0]
     padded = -(-count // tp.size) * tp.size
     stack = jnp.pad(stack, ((0, padded - count), (0, 0), (0, 0)))
-    whole = _shards_to_whole(stack, tp.axis, first.wide_tp_dim)
-    return [whole], (count, [x.shape for x in inputs])
+    context = (count, padded, [x.shape for x in inputs])
+    return relayout.send_whole(stack), context
 
-  def restore(ms, context):
-    count, shapes = context
-    (done,) = ms
-    back = _whole_to_shards(done, tp.axis, first.wide_tp_dim)[:count]
+  def received(whole, context):
+    return [relayout.receive_whole(whole, context[1])], context
+
+  def restored(shards, pieces, context):
+    count, _, shapes = context
+    back = relayout.receive_shards(shards, pieces)[:count]
     outputs, start = [], 0
     for member, shape in zip(members, shapes):
       n = math.prod(shape[a] for a in member.view.batch_axes)
       outputs.append(member.unwide(back[start : start + n], shape))
       start += n
     return outputs
+
+  def prepare(inputs):
+    payload, context = send(inputs)
+    (whole,) = _exchange([payload], tp.axis)
+    return received(whole, context)
+
+  def restore(ms, context):
+    (done,) = ms
+    (shards,) = _exchange([relayout.send_shards(done)], tp.axis)
+    return restored(shards, relayout.pieces_back(done), context)
+
+  def prepare_and_restore(inputs, ms, context):
+    """The next part's all-to-all and the last one's back as one."""
+    (done,) = ms
+    payload, next_context = send(inputs)
+    whole, shards = _exchange([payload, relayout.send_shards(done)], tp.axis)
+    outputs = restored(shards, relayout.pieces_back(done), context)
+    return received(whole, next_context), outputs
 
   return waves.Task(
     [m.x for m in members],
@@ -214,6 +272,10 @@ def _task(
     first.axis if split else None,
     _allgather_unit(first, tp.size) if split else 1,
     owners=tuple(m.leaf.index for m in members),
+    # a part's all-to-all and the last one's back, as one, run under the
+    # Newton–Schulz between them
+    pipelined=True,
+    prepare_and_restore=prepare_and_restore,
   )
 
 

@@ -11,8 +11,10 @@ and the tasks run in **waves** of at most ``memory_budget`` bytes:
   matrices still run as one batched Newton–Schulz (``solve``);
 * a task over a stack (scanned layers, experts: a batch axis of the leaf)
   that does not fit is split along that axis into equal parts (and a
-  shorter last one where none divides it), run one after the other by a
-  ``fori_loop`` that writes each part's result in place;
+  shorter last one where none divides it), run by a ``fori_loop`` that
+  writes each part's result in place; a ``pipelined`` task's loop gathers
+  the next part and gives the last one back while the current one is in
+  Newton–Schulz;
 * waves are ordered in the program itself: each wave's inputs pass through
   one ``optimization_barrier`` with the previous wave's results and depend
   on one of them (``_one_after``), so no scheduler can start a wave before
@@ -91,6 +93,15 @@ class Task:
     unit: part sizes along ``axis`` preferably multiples of this.
     owners: the caller's indices of the leaves the outputs belong to, one
       per output (``()``: the caller keeps its own account).
+    pipelined: whether its parts, when split, run pipelined (see
+      ``_pipelined_parts``): for tasks whose ``prepare`` and ``restore``
+      hold collectives that a scheduler can hide under the Newton–Schulz
+      beside them.
+    prepare_and_restore: ``(inputs, matrices, context) -> ((matrices,
+      context), outputs)``: ``prepare`` of one part and ``restore`` of
+      another at once, with one collective for both (a scheduler that runs
+      one collective at a time then hides both); ``None``: the two
+      called in turn.
   """
 
   inputs: Sequence[jax.Array]
@@ -101,6 +112,8 @@ class Task:
   axis: int | None = None
   unit: int = 1
   owners: tuple[int, ...] = ()
+  pipelined: bool = False
+  prepare_and_restore: Callable | None = None
 
   @property
   def count(self) -> int:
@@ -161,18 +174,31 @@ def with_state(task: Task, states, step) -> Task:
   counts = [len(arrays) for arrays in states]
   flat = [array for arrays in states for array in arrays]
 
-  def prepare(inputs):
+  def stepped(inputs):
     rest = iter(inputs[own:])
-    stepped = [
+    pairs = [
       step(x, [next(rest) for _ in range(n)])
       for x, n in zip(inputs[:own], counts)
     ]
-    matrices, context = task.prepare([u for u, _ in stepped])
-    return matrices, (context, [a for _, new in stepped for a in new])
+    return [u for u, _ in pairs], [a for _, new in pairs for a in new]
+
+  def prepare(inputs):
+    updates, new_states = stepped(inputs)
+    matrices, context = task.prepare(updates)
+    return matrices, (context, new_states)
 
   def restore(matrices, context_and_states):
     context, new_states = context_and_states
     return [*task.restore(matrices, context), *new_states]
+
+  def prepare_and_restore(inputs, matrices, context_and_states):
+    updates, next_states = stepped(inputs)
+    context, new_states = context_and_states
+    (next_matrices, next_context), outputs = task.prepare_and_restore(
+      updates, matrices, context
+    )
+    prepared = (next_matrices, (next_context, next_states))
+    return prepared, [*outputs, *new_states]
 
   axis = task.axis
   if axis is not None and any(
@@ -190,6 +216,9 @@ def with_state(task: Task, states, step) -> Task:
     restore=restore,
     bytes=task.bytes + extra,
     axis=axis,
+    prepare_and_restore=prepare_and_restore
+    if task.prepare_and_restore
+    else None,
   )
 
 
@@ -234,9 +263,15 @@ def _waves(tasks: Sequence[Task], budget: int) -> list[tuple[list[int], int]]:
   for index, task in enumerate(tasks):
     if task.bytes > budget and task.axis is not None and task.count > 1:
       per_slice = -(-task.bytes // task.count)
-      part = _part_size(
-        task.count, max(task.unit, budget // per_slice), task.unit
-      )
+      fit = budget // per_slice
+      if task.pipelined:
+        # three parts in flight (``_solve_in_parts``): one in
+        # Newton–Schulz, the next one's input and the last one's result,
+        # each at most half a part's Newton–Schulz bytes (its input or
+        # result in ≤ 4-byte floats, beside 12 bytes an entry of float32
+        # iterates)
+        fit = 2 * budget // (3 * per_slice)
+      part = _part_size(task.count, max(task.unit, fit), task.unit)
       if part < task.count:
         waves.append(([index], part))
         continue
@@ -268,33 +303,133 @@ def _solve(tasks, inputs):
   ]
 
 
+def _stages(task: Task):
+  """A task's stages for a loop over its parts: ``gather`` (``prepare``:
+  slices → matrices made whole, and the context), ``solve``
+  (Newton–Schulz), ``give_back`` (``restore``) and
+  ``gather_and_give_back`` (the first and the last at once). What a stage
+  hands on is ``(arrays, static)``: the jax arrays, which a loop may carry,
+  and the rest (views, shapes), the same for every part of one size,
+  rejoined by ``_join``."""
+
+  def gather(pieces):
+    return _split(task.prepare(pieces))
+
+  def solve(prepared):
+    matrices, context = prepared
+    return _split((task.solve(matrices), context))
+
+  def gather_and_give_back(pieces, solved):
+    if task.prepare_and_restore is None:
+      return gather(pieces), task.restore(*_join(*solved))
+    prepared, outputs = task.prepare_and_restore(pieces, *_join(*solved))
+    return _split(prepared), outputs
+
+  return gather, solve, task.restore, gather_and_give_back
+
+
+def _split(tree):
+  leaves, treedef = jax.tree.flatten(tree)
+  is_array = [isinstance(x, jax.Array) for x in leaves]
+  arrays = [x for x, a in zip(leaves, is_array) if a]
+  static = [None if a else x for x, a in zip(leaves, is_array)]
+  return arrays, (treedef, static)
+
+
+def _join(arrays, static):
+  treedef, leaves = static
+  rest = iter(arrays)
+  return jax.tree.unflatten(
+    treedef, [next(rest) if x is None else x for x in leaves]
+  )
+
+
 def _solve_in_parts(task, inputs, part, one=None):
-  """A split task's outputs: a loop over its parts along ``task.axis``, and
-  the last, shorter part after it when ``part`` does not divide the count.
+  """A split task's outputs: a loop over its parts along ``task.axis``
+  (pipelined for a ``pipelined`` task, see ``_pipelined_parts``), and the
+  last, shorter part after it when ``part`` does not divide the count.
   The loop carries the inputs and overwrites each part with its result once
   it is read (parts are disjoint), so the results need no buffer of their
   own. With ``one`` (``_one_after``) the loop starts at ``one - 1``: zero,
   known only once the previous wave is done."""
   axis = task.axis
   start = 0 if one is None else (one - 1).astype(jnp.int32)
+  gather, solve, give_back, gather_and_give_back = _stages(task)
 
-  def solve_part(carried, begin, size):
-    pieces = [
-      jax.lax.dynamic_slice_in_dim(x, begin, size, axis=axis) for x in carried
-    ]
-    (results,) = _solve([task], [pieces])
+  def slices(carried, begin, size):
+    return [jax.lax.dynamic_slice_in_dim(x, begin, size, axis) for x in carried]
+
+  def read(carried, begin, size):
+    return gather(slices(carried, begin, size))
+
+  def put(carried, results, begin):
     return tuple(
       jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), begin, axis)
       for x, r in zip(carried, results)
     )
 
+  def write(carried, solved, begin):
+    return put(carried, give_back(*_join(*solved)), begin)
+
+  def read_and_write(carried, begin, solved, written):
+    gathered, results = gather_and_give_back(
+      slices(carried, begin, part), solved
+    )
+    return gathered, put(carried, results, written)
+
+  def solve_part(carried, begin, size):
+    return write(carried, solve(_join(*read(carried, begin, size))), begin)
+
   full, rest = divmod(task.count, part)
-  carried = jax.lax.fori_loop(
-    start, full, lambda i, c: solve_part(c, i * part, part), tuple(inputs)
-  )
+  carried = tuple(inputs)
+  if task.pipelined and full > 1:
+    at = lambda i: start + i * part
+    carried = _pipelined_parts(
+      carried,
+      full,
+      read=lambda c, i: read(c, at(i), part),
+      solve=solve,
+      write=lambda c, solved, i: write(c, solved, at(i)),
+      read_and_write=lambda c, i, solved, j: read_and_write(
+        c, at(i), solved, at(j)
+      ),
+    )
+  else:
+    carried = jax.lax.fori_loop(
+      start, full, lambda i, c: solve_part(c, i * part, part), carried
+    )
   if rest:
     carried = solve_part(carried, full * part, rest)
   return list(carried)
+
+
+def _pipelined_parts(carried, count, read, solve, write, read_and_write):
+  """``count`` ≥ 2 parts in a software pipeline: iteration ``i`` gathers
+  part ``i + 1`` and gives part ``i − 1`` back (``read_and_write``: one
+  collective where the task can) and runs Newton–Schulz on part ``i``
+  (``solve``); the first two parts start before the loop and the last two
+  finish after it. The collective of an iteration does not depend on its
+  Newton–Schulz, nor it on the collective, so a scheduler that runs
+  collectives asynchronously (GPU, TPU) can hide it under it; three parts
+  are in flight (``plan`` sizes them for it)."""
+  gathered, gathered_static = read(carried, 0)
+  solved, solved_static = solve(_join(gathered, gathered_static))
+  gathered, _ = read(carried, 1)
+
+  def body(i, loop):
+    carried, gathered, solved = loop
+    (following, _), carried = read_and_write(
+      carried, i + 1, (solved, solved_static), i - 1
+    )
+    now, _ = solve(_join(gathered, gathered_static))
+    return carried, following, now
+
+  carried, gathered, solved = jax.lax.fori_loop(
+    1, count - 1, body, (carried, gathered, solved)
+  )
+  last = solve(_join(gathered, gathered_static))
+  carried = write(carried, (solved, solved_static), count - 2)
+  return write(carried, last, count - 1)
 
 
 def _one_after(previous):
