@@ -75,13 +75,9 @@ def _trip_count(line: str, bodies: dict, condition: str) -> int:
   return max(bounds) if bounds else 1
 
 
-def collective_bytes(hlo: str) -> dict:
-  """Bytes per collective kind of one run of the module: each computation's
-  collectives times the number of times it runs (loop bodies their trip
-  count, nested loops the product)."""
-  bodies, entry = _computations(hlo)
-  if entry is None:
-    return {k: 0 for k in COLLECTIVES}
+def _runs(bodies: dict, entry: str) -> dict:
+  """How many times each computation runs in one run of the module: loop
+  bodies their trip count, nested loops the product."""
   callers: dict = {}
   for name, lines in bodies.items():
     for line in lines:
@@ -102,20 +98,163 @@ def collective_bytes(hlo: str) -> dict:
       runs[name] = sum(runs_of(c) * t for c, t in callers.get(name, []))
     return runs[name]
 
+  return {name: runs_of(name) for name in bodies}
+
+
+def _collective_of(line: str) -> tuple[str, str, int] | None:
+  """``(kind, part, bytes)`` of a collective instruction (``part``: "" for
+  a synchronous one, "-start" or "-done"), or None. An asynchronous pair is
+  measured at its done, whose type is the results: a start's type also
+  holds its operands (the GPU compiler writes ``((operands), results)`` or
+  ``((operands), (results))``)."""
+  for kind in COLLECTIVES:
+    match = re.search(rf"= (.+?) {kind}(-start|-done)?\(", line)
+    if match:
+      part = match.group(2) or ""
+      size = 0 if part == "-start" else _array_bytes(match.group(1))
+      return kind, part, size
+  return None
+
+
+def collective_bytes(hlo: str) -> dict:
+  """Bytes per collective kind of one run of the module: each computation's
+  collectives times the number of times it runs (loop bodies their trip
+  count, nested loops the product)."""
+  bodies, entry = _computations(hlo)
   totals = {k: 0 for k in COLLECTIVES}
+  if entry is None:
+    return totals
+  runs = _runs(bodies, entry)
   for name, lines in bodies.items():
-    times = runs_of(name)
-    if not times:
+    if not runs[name]:
       continue
     for line in lines:
-      for kind in COLLECTIVES:
-        # an asynchronous pair is read once, from its done, whose type is
-        # the results: a start's type also holds its operands (the GPU
-        # compiler writes ``((operands), results)`` or ``((operands),
-        # (results))``)
-        match = re.search(rf"= (.+?) {kind}(-start|-done)?\(", line)
-        if match and match.group(2) != "-start":
-          totals[kind] += _array_bytes(match.group(1)) * times
+      found = _collective_of(line)
+      if found:
+        totals[found[0]] += found[2] * runs[name]
+  return totals
+
+
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def _dims(text: str) -> list[int]:
+  match = _SHAPE.search(text)
+  return [int(d) for d in match.group(2).split(",") if d] if match else []
+
+
+_DEFINITION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) [\w\-]+\(")
+
+
+def _types(bodies: dict) -> dict:
+  """Each instruction's result type, by name (names are unique in a
+  module; the optimized text names operands without their types)."""
+  types = {}
+  for lines in bodies.values():
+    for line in lines:
+      match = _DEFINITION.match(line)
+      if match:
+        types[match.group(1)] = match.group(2)
+  return types
+
+
+def _matmul_flops(line: str, types: dict) -> int:
+  """FLOPs of a ``dot``: twice the result's entries times the contracted
+  length (read off the left operand's type)."""
+  if " dot(" not in line:
+    return 0
+  result, _, rest = line.partition("=")[2].partition(" dot(")
+  operand = re.match(r"\s*(?:\w+\[[\d,]*\]\S*\s+)?%?([\w.\-]+)", rest)
+  contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+  if not operand or not contracting:
+    return 0
+  lhs = _dims(types.get(operand.group(1), ""))
+  axes = [int(a) for a in contracting.group(1).split(",") if a]
+  if not lhs or any(a >= len(lhs) for a in axes):
+    return 0
+  contracted = int(np.prod([lhs[a] for a in axes]))
+  return 2 * int(np.prod(_dims(result))) * contracted
+
+
+def _flops(name: str, bodies: dict, types: dict, memo: dict) -> int:
+  """Matmul FLOPs of one run of a computation, with what it calls (loop
+  bodies times their trip counts)."""
+  if name in memo:
+    return memo[name]
+  memo[name] = 0
+  total = 0
+  for line in bodies.get(name, []):
+    total += _line_flops(line, bodies, types, memo)
+  memo[name] = total
+  return total
+
+
+def _line_flops(line: str, bodies: dict, types: dict, memo: dict) -> int:
+  total = _matmul_flops(line, types)
+  condition = re.search(r"condition=%?([\w.\-]+)", line)
+  for kind, targets in _CALLEE.findall(line):
+    if kind == "condition":
+      continue
+    times = 1
+    if kind == "body" and condition:
+      times = _trip_count(line, bodies, condition.group(1))
+    for target in re.findall(r"%?([\w.\-]+)", targets):
+      total += times * _flops(target, bodies, types, memo)
+  return total
+
+
+def overlap(hlo: str, flops_per_s: float, link_bytes_per_s: float) -> dict:
+  """What of one run's collective time the schedule hides, read from a
+  compiled module's text (the optimized module is scheduled: its text order
+  is the order it runs in).
+
+  A collective takes its bytes over ``link_bytes_per_s``; an asynchronous
+  one (a ``-start`` and its ``-done``) is hidden up to the matmul time
+  scheduled between the two (their FLOPs at ``flops_per_s``, loops inside
+  counted by their trip counts); a synchronous one is exposed whole. A
+  model at peak rates, not a profile.
+
+  Returns:
+    ``{"collective_s", "overlapped_s", "exposed_s", "collectives",
+    "asynchronous"}``: seconds per run and how many collectives run (each
+    times its computation's runs), of them asynchronous.
+  """
+  bodies, entry = _computations(hlo)
+  totals = dict.fromkeys(("collective_s", "overlapped_s", "exposed_s"), 0.0)
+  totals.update(collectives=0, asynchronous=0)
+  if entry is None:
+    return totals
+  runs = _runs(bodies, entry)
+  types = _types(bodies)
+  memo: dict = {}
+  for name, lines in bodies.items():
+    times = runs[name]
+    if not times:
+      continue
+    open_starts: dict = {}  # start's name -> FLOPs scheduled since
+    for line in lines:
+      found = _collective_of(line)
+      target = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) =", line)
+      if found and found[1] == "-start" and target:
+        open_starts[target.group(1)] = 0
+        continue
+      flops = _line_flops(line, bodies, types, memo)
+      for start in open_starts:
+        open_starts[start] += flops
+      if not found:
+        continue
+      kind, part, size = found
+      seconds = size / link_bytes_per_s
+      hidden = 0.0
+      if part == "-done":
+        operand = re.search(rf"{kind}-done\(\S*?%?([\w.\-]+)\)", line)
+        between = open_starts.pop(operand.group(1), 0) if operand else 0
+        hidden = min(seconds, between / flops_per_s)
+        totals["asynchronous"] += times
+      totals["collectives"] += times
+      totals["collective_s"] += times * seconds
+      totals["overlapped_s"] += times * hidden
+      totals["exposed_s"] += times * (seconds - hidden)
   return totals
 
 

@@ -90,6 +90,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _hlo import collective_bytes  # noqa: E402
 from _hlo import host_bytes  # noqa: E402
+from _hlo import overlap  # noqa: E402
 from _timing import emit  # noqa: E402
 from _update_time import formula  # noqa: E402
 from _update_time import modeled_ms  # noqa: E402
@@ -362,6 +363,12 @@ def tree_bytes(tree) -> int:
   return sum(shard_bytes(x) for x in jax.tree.leaves(tree))
 
 
+def params_mesh_size(params) -> int:
+  """The tensor-parallel axis's size of the params' mesh."""
+  leaf = jax.tree.leaves(params)[0]
+  return leaf.sharding.mesh.shape["model"]
+
+
 def make_mesh(target: str, dp: int, tp: int):
   if TARGETS[target] is None:
     devices = jax.devices()[: dp * tp]
@@ -537,10 +544,22 @@ def state_like(state, params, memory_kind=None):
   return jax.tree_util.tree_map_with_path(place, state)
 
 
-def measure(tx, params, name, offload=False, donate=False):
+def measure(
+  tx,
+  params,
+  name,
+  offload=False,
+  donate=False,
+  rates=None,
+  precision=None,
+  dump_hlo=None,
+):
   """The compiled update's memory and collectives (or the refusal);
   ``donate``: the gradients and state donated, as a training step does (the
-  update may then write into their buffers)."""
+  update may then write into their buffers). With the devices' ``rates``
+  (and the Newton–Schulz ``precision``), what of the collective time the
+  compiled schedule hides (``_hlo.overlap``; a ring moves ``(P−1)/P`` of a
+  result over the tensor-parallel axis of ``P`` ranks)."""
   state = state_like(
     jax.eval_shape(tx.init, params),
     params,
@@ -593,6 +612,10 @@ def measure(tx, params, name, offload=False, donate=False):
     if value is not None:
       record[f"{key}_gib"] = value / GIB
   hlo = compiled.as_text()
+  if dump_hlo:
+    os.makedirs(dump_hlo, exist_ok=True)
+    with open(os.path.join(dump_hlo, f"{name}.hlo"), "w") as f:
+      f.write(hlo)
   if offload and not record.get("host_argument_gib"):  # the CPU compiler's
     record["host_argument_gib"], record["host_output_gib"] = (
       b / GIB for b in host_bytes(hlo)
@@ -600,6 +623,17 @@ def measure(tx, params, name, offload=False, donate=False):
   kinds = collective_bytes(hlo)
   record["collective_gib"] = {k: v / GIB for k, v in kinds.items() if v}
   record["collective_total_gib"] = sum(kinds.values()) / GIB
+  if rates is not None:
+    ranks = params_mesh_size(params)
+    ring = (ranks - 1) / ranks if ranks > 1 else 1.0
+    seen = overlap(hlo, rates.matmul_flops(precision), rates.link_bytes / ring)
+    record["schedule"] = {
+      "collective_ms": seen["collective_s"] * 1e3,
+      "overlapped_ms": seen["overlapped_s"] * 1e3,
+      "exposed_ms": seen["exposed_s"] * 1e3,
+      "collectives": seen["collectives"],
+      "asynchronous": seen["asynchronous"],
+    }
   record["compiled"] = True
   resident = record["pgs_gib"] + record["temp_gib"]
   record["resident_gib"] = resident
@@ -710,6 +744,13 @@ def _flops_cell(r: dict) -> str:
   return f"{formula_tflop} / {'—' if compiled is None else f'{compiled:.3g}'}"
 
 
+def _schedule_cell(r: dict) -> str:
+  schedule = r.get("schedule")
+  if not schedule:
+    return "—"
+  return f"{schedule['exposed_ms']:.2f} / {schedule['collective_ms']:.2f}"
+
+
 def table(records: dict, part: str = "80GB") -> str:
   """The records as an aligned table (GiB per device; fits: against
   ``part``), then what is and is not counted."""
@@ -722,6 +763,7 @@ def table(records: dict, part: str = "80GB") -> str:
     "collectives (GiB, by kind)",
     "NS TFLOP formula / cost_analysis",
     "modeled ms",
+    "collective ms exposed / all",
     "compile s",
   )
   rows = [header]
@@ -729,7 +771,18 @@ def table(records: dict, part: str = "80GB") -> str:
     if not r["compiled"]:  # the compiler's refusal, as the JSON's error
       why = "does not fit" if r["resource_exhausted"] else r["error"][:60]
       rows.append(
-        (name, gib(r["pgs_gib"]), "—", "—", "no", f"refused: {why}", "", "", "")
+        (
+          name,
+          gib(r["pgs_gib"]),
+          "—",
+          "—",
+          "no",
+          f"refused: {why}",
+          "",
+          "",
+          "",
+          "",
+        )
       )
       continue
     kinds = ", ".join(
@@ -746,6 +799,7 @@ def table(records: dict, part: str = "80GB") -> str:
         kinds or "none",
         _flops_cell(r),
         f"{r['modeled_ms']:.1f}" if "modeled_ms" in r else "—",
+        _schedule_cell(r),
         f"{r['compile_s']:.1f}",
       )
     )
@@ -901,6 +955,12 @@ def main(argv=None):
   parser.add_argument(
     "--json", action="store_true", help="one JSON line per mode"
   )
+  parser.add_argument(
+    "--dump-hlo",
+    metavar="DIR",
+    default=None,
+    help="write each mode's compiled (scheduled) HLO to DIR/<mode>.hlo",
+  )
   args = parser.parse_args(argv)
   if args.quick:
     args.model = "tiny"
@@ -994,7 +1054,16 @@ def main(argv=None):
       "mode": name,
       "part": part_of(args.target),
       "precision": args.precision,
-      **measure(tx, params, name, args.offload, args.donate),
+      **measure(
+        tx,
+        params,
+        name,
+        args.offload,
+        args.donate,
+        rates_of(mesh),
+        args.precision,
+        args.dump_hlo,
+      ),
     }
     add_modeled_time(record, flat, mesh, args)
     records[name] = record
