@@ -671,7 +671,12 @@ MODELED = (
   "--precision, plus the compiled collectives' bytes as a ring moves them at "
   "its link's peak bandwidth (om.KNOWN_RATES), nothing overlapped. "
   "cost_analysis counts a loop's body once (the step and wave loops), so it "
-  "is a floor. auto: each leaf's mode of least modeled time."
+  "is a floor. auto: each leaf's mode of least modeled time. collective ms "
+  "exposed / all: read from the compiled schedule, an asynchronous "
+  "collective hidden up to the matmul time between its start and done, at "
+  "the same rates (benchmarks/_hlo.py overlap). share of a step: (the "
+  "Newton-Schulz time + the exposed collective time) / (6 x params x "
+  "--tokens over the devices at the part's bf16 peak x --mfu), a model."
 )
 
 
@@ -712,6 +717,17 @@ def model_arg(text: str) -> str:
   raise argparse.ArgumentTypeError(
     f"{text!r} is not a model; accepted: {MODEL_HELP}"
   )
+
+
+def fraction(text: str) -> float:
+  """A number in (0, 1] (argparse type)."""
+  try:
+    value = float(text)
+  except ValueError:
+    value = math.nan
+  if not 0 < value <= 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 1]")
+  return value
 
 
 def positive_int(text: str) -> int:
@@ -764,6 +780,7 @@ def table(records: dict, part: str = "80GB") -> str:
     "NS TFLOP formula / cost_analysis",
     "modeled ms",
     "collective ms exposed / all",
+    "share of a step",
     "compile s",
   )
   rows = [header]
@@ -778,6 +795,7 @@ def table(records: dict, part: str = "80GB") -> str:
           "—",
           "no",
           f"refused: {why}",
+          "",
           "",
           "",
           "",
@@ -800,6 +818,7 @@ def table(records: dict, part: str = "80GB") -> str:
         _flops_cell(r),
         f"{r['modeled_ms']:.1f}" if "modeled_ms" in r else "—",
         _schedule_cell(r),
+        f"{100 * r['step_share']:.2f} %" if "step_share" in r else "—",
         f"{r['compile_s']:.1f}",
       )
     )
@@ -810,6 +829,29 @@ def table(records: dict, part: str = "80GB") -> str:
   ]
   return "\n".join(
     lines + ["", textwrap.fill(NOT_COUNTED, 79), "", textwrap.fill(MODELED, 79)]
+  )
+
+
+def add_step_share(record: dict, flat, mesh, args) -> None:
+  """The optimizer's modeled share of a training step: (its Newton–Schulz
+  time + the collective time the compiled schedule leaves exposed) ÷ the
+  step's model compute, ``6 · params · tokens`` over the mesh's devices at
+  the part's bf16 peak × ``--mfu``. A model at peak rates, not a profile."""
+  schedule = record.get("schedule")
+  rates = rates_of(mesh)
+  if not schedule or rates is None or "ns_tflop" not in record:
+    return
+  params = sum(math.prod(shape) for shape, _, _ in flat.values())
+  devices = math.prod(mesh.shape.values())
+  train_s = 6 * params * args.tokens / (devices * rates.bf16_flops * args.mfu)
+  ns_s = record["ns_tflop"] * 1e12 / rates.matmul_flops(args.precision)
+  optimizer_s = ns_s + schedule["exposed_ms"] / 1e3
+  record.update(
+    tokens=args.tokens,
+    mfu=args.mfu,
+    train_model_ms=train_s * 1e3,
+    optimizer_model_ms=optimizer_s * 1e3,
+    step_share=optimizer_s / train_s,
   )
 
 
@@ -956,6 +998,20 @@ def main(argv=None):
     "--json", action="store_true", help="one JSON line per mode"
   )
   parser.add_argument(
+    "--tokens",
+    type=positive_int,
+    default=2**20,
+    help="tokens a training step, for the optimizer's modeled share of it "
+    "(default 2**20)",
+  )
+  parser.add_argument(
+    "--mfu",
+    type=fraction,
+    default=0.4,
+    help="the training step's model FLOPs utilization, for that share "
+    "(default 0.4)",
+  )
+  parser.add_argument(
     "--dump-hlo",
     metavar="DIR",
     default=None,
@@ -1066,6 +1122,7 @@ def main(argv=None):
       ),
     }
     add_modeled_time(record, flat, mesh, args)
+    add_step_share(record, flat, mesh, args)
     records[name] = record
   add_muon_bp_average(records)
   base = records.get("duplicated", {}).get("collective_total_gib")

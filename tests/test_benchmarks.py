@@ -171,6 +171,9 @@ def test_scaling_doc_table_is_the_plan_commands(monkeypatch):
     (["--memory-budget", "-1"], "--memory-budget"),
     (["--fsdp", "layers"], "--fsdp"),  # a layer axis needs --stacked
     (["--fsdp", "rows"], "--fsdp"),
+    (["--mfu", "0"], "--mfu"),
+    (["--mfu", "40"], "--mfu"),  # a percentage, not a fraction
+    (["--tokens", "0"], "--tokens"),
   ],
 )
 def test_at_scale_bad_arguments_exit_2_naming_them(args, flag):
@@ -308,6 +311,31 @@ def test_at_scale_table_has_the_json_numbers_and_says_what_is_counted():
   words = " ".join(text.split())
   assert "Not counted: activations, the forward and backward pass" in words
   assert "80 GB = 74.5 GiB" in words
+
+
+def test_at_scale_reads_the_exposed_time_and_the_share_of_a_step():
+  def records(*extra):
+    out = _run(
+      "at_scale.py", "--quick", "--modes", "duplicated", "--json", *extra
+    )
+    return [json.loads(line) for line in out.split("\n") if line]
+
+  (base,) = records()
+  (double,) = records("--tokens", str(2**21), "--mfu", "0.2")
+  schedule = base["schedule"]
+  # the CPU runs collectives synchronously: nothing hidden
+  assert schedule["asynchronous"] == 0 and schedule["collectives"] > 0
+  assert schedule["overlapped_ms"] == 0
+  assert schedule["exposed_ms"] == pytest.approx(schedule["collective_ms"])
+  # the ring's (P-1)/P of the collectives' bytes at the CPU's 1e10 bytes/s
+  moved = base["collective_total_gib"] * 2**30
+  assert schedule["collective_ms"] == pytest.approx(moved * 7 / 8 / 1e7)
+  # twice the tokens at half the MFU: the step's model 4x, the share 1/4
+  assert double["train_model_ms"] == pytest.approx(4 * base["train_model_ms"])
+  assert double["step_share"] == pytest.approx(base["step_share"] / 4)
+  assert base["step_share"] == pytest.approx(
+    base["optimizer_model_ms"] / base["train_model_ms"]
+  )
 
 
 def test_momentum_8bit_reports_the_gap_beside_the_spread():
