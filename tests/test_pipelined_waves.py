@@ -225,3 +225,23 @@ def test_the_schedule_reader_hides_a_collective_under_the_matmuls_inside_it():
   seen = _hlo.overlap(SCHEDULED, 2 * matmuls, 4 * 32768)
   assert seen["overlapped_s"] == pytest.approx(0.75)
   assert seen["exposed_s"] == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize(
+  "kind, pipelined",
+  [("NVIDIA H100 80GB HBM3", True), ("cpu", True), ("TPU v5p", False)],
+)
+def test_parts_are_pipelined_but_on_tpus(kind, pipelined):
+  # the TPU compiler runs these collectives synchronously and took minutes
+  # over the pipelined loop (see allgather._pipelines)
+  import types
+
+  import numpy as np
+
+  from optax_muon._src.parallel import allgather
+
+  device = types.SimpleNamespace(device_kind=kind)
+  tp = types.SimpleNamespace(
+    mesh=types.SimpleNamespace(devices=np.array([device]))
+  )
+  assert allgather._pipelines(tp) is pipelined
