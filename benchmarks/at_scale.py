@@ -104,6 +104,7 @@ import optax_muon as om  # noqa: E402
 MODELS = {
   "llama3-8b": (4096, 14336, 32, 8, 128, 32, 128256),
   "llama3-70b": (8192, 28672, 64, 8, 128, 80, 128256),
+  "llama3.2-1b": (2048, 8192, 32, 8, 64, 16, 128256),
   "tiny": (256, 1024, 8, 4, 32, 4, 1024),  # --quick
 }
 # deviceless GPU targets: an XLA GpuTargetConfigProto in benchmarks/gpu_targets
