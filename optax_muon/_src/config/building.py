@@ -68,40 +68,6 @@ def build(
   split_gate_up,
 ) -> optax.GradientTransformation:
   """``MuonConfig.build`` (see it there)."""
-  tx = _build(
-    config,
-    learning_rate,
-    params=params,
-    mesh=mesh,
-    split_qkv=split_qkv,
-    labels=labels,
-    specs=specs,
-    attention=attention,
-    layout=layout,
-    dimension_numbers=dimension_numbers,
-    tp_axis=tp_axis,
-    split_gate_up=split_gate_up,
-  )
-  if not config.optimizer_offload or not _offloaded_whole(config.optimizer):
-    return tx
-  return built.wrapped(offload.offload_state(tx, "pinned_host"), tx)
-
-
-def _build(
-  config,
-  learning_rate,
-  *,
-  params,
-  mesh,
-  split_qkv,
-  labels,
-  specs,
-  attention,
-  layout,
-  dimension_numbers,
-  tp_axis,
-  split_gate_up,
-) -> optax.GradientTransformation:
   lr = config.lr if learning_rate is None else learning_rate
   b1, b2 = config.betas
   decay_mask = matrices_only
@@ -126,17 +92,20 @@ def _build(
     else []
   )
   if config.optimizer == "adam":
-    return optax.chain(
-      *clip,
-      optax.adamw(
-        lr,
-        b1=b1,
-        b2=b2,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        mask=decay_mask,
+    return _offloaded(
+      config,
+      optax.chain(
+        *clip,
+        optax.adamw(
+          lr,
+          b1=b1,
+          b2=b2,
+          eps=config.eps,
+          weight_decay=config.weight_decay,
+          mask=decay_mask,
+        ),
+        *clip_logits,
       ),
-      *clip_logits,
     )
   sharding = _sharding(config, mesh, specs, tp_axis)
   adam_lr = None
@@ -183,13 +152,24 @@ def _build(
   inner = member.factory(config, lr, **keywords)
   tx = built.wrapped(optax.chain(*clip, inner, *clip_logits), inner)
   if not check_split:
-    return tx
+    return _offloaded(config, tx)
 
   def init_fn(params):
     _check_no_fused_qkv(params)
     return tx.init(params)
 
-  return optax.GradientTransformationExtraArgs(init_fn, tx.update)
+  return _offloaded(
+    config, optax.GradientTransformationExtraArgs(init_fn, tx.update)
+  )
+
+
+def _offloaded(config, tx) -> optax.GradientTransformation:
+  """``tx`` with its whole state in pinned host memory between steps, for
+  ``optimizer_offload`` where the member does not keep its own state there
+  (``state_memory_kind``)."""
+  if not config.optimizer_offload or not _offloaded_whole(config.optimizer):
+    return tx
+  return built.wrapped(offload.offload_state(tx, "pinned_host"), tx)
 
 
 def _family_keywords(config) -> dict[str, Any]:
