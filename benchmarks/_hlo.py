@@ -1,5 +1,6 @@
 """Bytes moved by collectives, read from a compiled HLO module's text."""
 
+import math
 import re
 
 import numpy as np
@@ -203,25 +204,104 @@ def _line_flops(line: str, bodies: dict, types: dict, memo: dict) -> int:
   return total
 
 
-def overlap(hlo: str, flops_per_s: float, link_bytes_per_s: float) -> dict:
+def replica_groups(line: str) -> list[list[int]] | None:
+  """A collective's groups of devices, as places in the program's device
+  assignment (the mesh's devices in order), in each of XLA's forms: explicit
+  (``{{0,1},{2,3}}``), an iota (``[G,S]<=[dims]T(perm)``), the mesh axes it
+  runs over (``mesh['data'=2,'model'=4] {'model'}``), a permute's
+  ``source_target_pairs``; ``None`` where the line names none (``{}``: all
+  devices, whose count the line does not say)."""
+  named = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+  if named:
+    axes = re.findall(r"'([^']+)'=(\d+)", named.group(1))
+    over = re.findall(r"'([^']+)'", named.group(2))
+    ids = np.arange(math.prod(int(n) for _, n in axes))
+    ids = ids.reshape([int(n) for _, n in axes])
+    inside = [i for i, (name, _) in enumerate(axes) if name in over]
+    outside = [i for i in range(len(axes)) if i not in inside]
+    size = math.prod(ids.shape[i] for i in inside)
+    return ids.transpose(outside + inside).reshape(-1, size).tolist()
+  text = re.search(
+    r"(?:replica_groups|source_target_pairs)=(\S+?)(?:,\s|$)", line
+  )
+  if not text or text.group(1) == "{}":
+    return None
+  text = text.group(1)
+  if text.startswith("{"):
+    return [
+      [int(i) for i in group.split(",") if i]
+      for group in re.findall(r"\{([\d,]*)\}", text)
+    ]
+  shape, dims, perm = re.match(
+    r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text
+  ).groups()
+  ids = np.arange(math.prod(int(d) for d in dims.split(",")))
+  ids = ids.reshape([int(d) for d in dims.split(",")])
+  if perm:
+    ids = ids.transpose([int(p) for p in perm.split(",")])
+  return ids.reshape([int(s) for s in shape.split(",")]).tolist()
+
+
+def sent_fraction(kind: str, size: int) -> float:
+  """Bytes a device sends per byte of a collective's result over a group of
+  ``size`` as a ring runs it: (S−1)/S of a gather's or an all-to-all's
+  result, twice that of an all-reduce's, S−1 times a reduce-scatter's
+  shard, a permute's whole."""
+  if size <= 1:
+    return 0.0 if kind != "collective-permute" else 1.0
+  return {
+    "all-reduce": 2 * (size - 1) / size,
+    "reduce-scatter": size - 1,
+    "collective-permute": 1.0,
+  }.get(kind, (size - 1) / size)
+
+
+def _link_seconds(line, kind, size, rates) -> tuple[float, bool]:
+  """Seconds one collective of ``size`` result bytes takes, and whether it
+  crosses nodes: its ring's bytes (``sent_fraction`` of its groups' size;
+  the whole result where the line names no groups) at the network's rate
+  where a group spans nodes, else the link's."""
+  link, network, nodes = rates
+  groups = replica_groups(line)
+  if not groups:
+    return size / link, False
+  fraction = sent_fraction(kind, max(len(g) for g in groups))
+  crosses = nodes is not None and any(
+    len({nodes[i] for i in group}) > 1 for group in groups
+  )
+  rate = network if crosses and network else link
+  return size * fraction / rate, crosses
+
+
+def overlap(
+  hlo: str,
+  flops_per_s: float,
+  link_bytes_per_s: float,
+  network_bytes_per_s: float | None = None,
+  nodes=None,
+) -> dict:
   """What of one run's collective time the schedule hides, read from a
   compiled module's text (the optimized module is scheduled: its text order
   is the order it runs in).
 
-  A collective takes its bytes over ``link_bytes_per_s``; an asynchronous
-  one (a ``-start`` and its ``-done``) is hidden up to the matmul time
-  scheduled between the two (their FLOPs at ``flops_per_s``, loops inside
-  counted by their trip counts); a synchronous one is exposed whole. A
-  model at peak rates, not a profile.
+  A collective sends its ring's bytes (``sent_fraction``) over
+  ``link_bytes_per_s``, or over ``network_bytes_per_s`` where one of its
+  groups spans nodes (``nodes``: the node of each device of the program, in
+  order); an asynchronous one (a ``-start`` and its ``-done``) is hidden up
+  to the matmul time scheduled between the two (their FLOPs at
+  ``flops_per_s``, loops inside counted by their trip counts); a
+  synchronous one is exposed whole. A model at peak rates, not a profile.
 
   Returns:
     ``{"collective_s", "overlapped_s", "exposed_s", "collectives",
-    "asynchronous"}``: seconds per run and how many collectives run (each
-    times its computation's runs), of them asynchronous.
+    "asynchronous", "network_s"}``: seconds per run and how many
+    collectives run (each times its computation's runs), of them
+    asynchronous; of the seconds, those across nodes.
   """
+  rates = (link_bytes_per_s, network_bytes_per_s, nodes)
   bodies, entry = _computations(hlo)
   totals = dict.fromkeys(("collective_s", "overlapped_s", "exposed_s"), 0.0)
-  totals.update(collectives=0, asynchronous=0)
+  totals.update(collectives=0, asynchronous=0, network_s=0.0)
   if entry is None:
     return totals
   runs = _runs(bodies, entry)
@@ -231,26 +311,31 @@ def overlap(hlo: str, flops_per_s: float, link_bytes_per_s: float) -> dict:
     times = runs[name]
     if not times:
       continue
-    open_starts: dict = {}  # start's name -> FLOPs scheduled since
+    open_starts: dict = {}  # start's name -> (FLOPs scheduled since, line)
     for line in lines:
       found = _collective_of(line)
       target = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) =", line)
       if found and found[1] == "-start" and target:
-        open_starts[target.group(1)] = 0
+        open_starts[target.group(1)] = [0, line]
         continue
       flops = _line_flops(line, bodies, types, memo)
-      for start in open_starts:
-        open_starts[start] += flops
+      for start in open_starts.values():
+        start[0] += flops
       if not found:
         continue
       kind, part, size = found
-      seconds = size / link_bytes_per_s
-      hidden = 0.0
+      hidden, written = 0.0, line
       if part == "-done":
         operand = re.search(rf"{kind}-done\(\S*?%?([\w.\-]+)\)", line)
-        between = open_starts.pop(operand.group(1), 0) if operand else 0
+        between, written = (  # the groups are written on the start
+          open_starts.pop(operand.group(1), (0, line)) if operand else (0, line)
+        )
+      seconds, crosses = _link_seconds(written, kind, size, rates)
+      if part == "-done":
         hidden = min(seconds, between / flops_per_s)
         totals["asynchronous"] += times
+      if crosses:
+        totals["network_s"] += times * seconds
       totals["collectives"] += times
       totals["collective_s"] += times * seconds
       totals["overlapped_s"] += times * hidden

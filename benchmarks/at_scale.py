@@ -99,6 +99,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_muon as om  # noqa: E402
+from optax_muon._src.parallel.rates import node_of  # noqa: E402
 
 # d_model, d_ffn, query heads, kv heads, head dim, layers, vocabulary
 MODELS = {
@@ -364,12 +365,6 @@ def tree_bytes(tree) -> int:
   return sum(shard_bytes(x) for x in jax.tree.leaves(tree))
 
 
-def params_mesh_size(params) -> int:
-  """The tensor-parallel axis's size of the params' mesh."""
-  leaf = jax.tree.leaves(params)[0]
-  return leaf.sharding.mesh.shape["model"]
-
-
 def make_mesh(target: str, dp: int, tp: int):
   if TARGETS[target] is None:
     devices = jax.devices()[: dp * tp]
@@ -559,8 +554,8 @@ def measure(
   ``donate``: the gradients and state donated, as a training step does (the
   update may then write into their buffers). With the devices' ``rates``
   (and the Newton–Schulz ``precision``), what of the collective time the
-  compiled schedule hides (``_hlo.overlap``; a ring moves ``(P−1)/P`` of a
-  result over the tensor-parallel axis of ``P`` ranks)."""
+  compiled schedule hides (``_hlo.overlap``: each collective's ring bytes
+  over its group, at the network's rate where the group spans nodes)."""
   state = state_like(
     jax.eval_shape(tx.init, params),
     params,
@@ -625,13 +620,19 @@ def measure(
   record["collective_gib"] = {k: v / GIB for k, v in kinds.items() if v}
   record["collective_total_gib"] = sum(kinds.values()) / GIB
   if rates is not None:
-    ranks = params_mesh_size(params)
-    ring = (ranks - 1) / ranks if ranks > 1 else 1.0
-    seen = overlap(hlo, rates.matmul_flops(precision), rates.link_bytes / ring)
+    mesh = jax.tree.leaves(params)[0].sharding.mesh
+    seen = overlap(
+      hlo,
+      rates.matmul_flops(precision),
+      rates.link_bytes,
+      rates.network_bytes,
+      [node_of(d) for d in mesh.devices.flat],
+    )
     record["schedule"] = {
       "collective_ms": seen["collective_s"] * 1e3,
       "overlapped_ms": seen["overlapped_s"] * 1e3,
       "exposed_ms": seen["exposed_s"] * 1e3,
+      "network_ms": seen["network_s"] * 1e3,
       "collectives": seen["collectives"],
       "asynchronous": seen["asynchronous"],
     }
@@ -674,8 +675,10 @@ MODELED = (
   "cost_analysis counts a loop's body once (the step and wave loops), so it "
   "is a floor. auto: each leaf's mode of least modeled time. collective ms "
   "exposed / all: read from the compiled schedule, an asynchronous "
-  "collective hidden up to the matmul time between its start and done, at "
-  "the same rates (benchmarks/_hlo.py overlap). share of a step: (the "
+  "collective hidden up to the matmul time between its start and done, each "
+  "one's ring bytes over its own group at the link's rate, or the network's "
+  "(InfiniBand, DCN) where the group spans nodes (benchmarks/_hlo.py "
+  "overlap). share of a step: (the "
   "Newton-Schulz time + the exposed collective time) / (6 x params x "
   "--tokens over the devices at the part's bf16 peak x --mfu), a model."
 )

@@ -416,6 +416,104 @@ def test_the_known_parts_rates_match_their_device_kinds():
   v5p = om.KNOWN_RATES["TPU v5"]  # the device_kind of a v5p chip
   assert v5p.name == "TPU v5p" and v5p.link_bytes == 300e9
   assert v5p.matmul_flops("highest") == pytest.approx(v5p.bf16_flops / 6)
+  # across nodes: one 400 Gb/s InfiniBand port a GPU (DGX H100); a v5p
+  # chip's 50 Gb/s of DCN between slices; a v5e host's 2 x 100 Gb/s over
+  # its 8 chips
+  assert h100.network_bytes == 50e9 and h100.link_for(True) == 50e9
+  assert h100.link_for(False) == 450e9
+  assert v5p.network_bytes == 6.25e9
+  assert om.KNOWN_RATES["TPU v5e"].network_bytes == 3.125e9
+  # no network figure: the link's rate across nodes too
+  assert SLOW_LINK.link_for(True) == SLOW_LINK.link_bytes
+  with pytest.raises(ValueError, match="DeviceRates.network_bytes"):
+    om.DeviceRates(1e12, 1e12, 1e12, 1e9, network_bytes=50)
+
+
+class _Device:
+  """A stand-in for a device of another machine: its platform, host
+  (``process_index``) and TPU slice."""
+
+  def __init__(self, platform, process_index, slice_index=None):
+    self.platform, self.process_index = platform, process_index
+    self.slice_index = slice_index
+
+
+class _Mesh:
+  def __init__(self, devices, axis_names):
+    self.devices, self.axis_names = np.array(devices), axis_names
+
+
+def test_an_axis_crosses_nodes_where_its_groups_span_hosts_or_slices():
+  # two GPU hosts of four: the data axis spans them, the model axis not;
+  # laid out the other way round, the model axis does
+  hosts = [[_Device("gpu", h) for _ in range(4)] for h in range(2)]
+  mesh = _Mesh(hosts, ("data", "model"))
+  assert rates_lib.crosses_nodes(mesh, "data")
+  assert not rates_lib.crosses_nodes(mesh, "model")
+  assert rates_lib.crosses_nodes(mesh, ("data", "model"))
+  assert rates_lib.crosses_nodes(
+    _Mesh(np.array(hosts).T, ("data", "model")), "model"
+  )
+  # TPU hosts of one slice are joined by ICI; two slices are not
+  one_slice = [[_Device("tpu", h) for _ in range(4)] for h in range(2)]
+  assert not rates_lib.crosses_nodes(_Mesh(one_slice, ("a", "b")), "a")
+  two = [[_Device("tpu", 2 * s + h, s) for h in range(2)] for s in range(2)]
+  assert rates_lib.crosses_nodes(_Mesh(two, ("a", "b")), "a")
+  assert not rates_lib.crosses_nodes(_Mesh(two, ("a", "b")), "b")
+  # this machine's simulated devices are one node
+  assert not rates_lib.crosses_nodes(_mesh((2, 4)), "data")
+
+
+# matmuls at 1e9 FLOP/s, the link free, the network at 1e6 bytes/s
+NETWORKED = om.DeviceRates(
+  1e9, 1e9, 1e9, link_bytes=1e30, latency=0.0, network_bytes=1e6
+)
+
+
+def test_an_axis_across_nodes_moves_its_bytes_at_the_network_rate(
+  monkeypatch,
+):
+  # the 8 simulated devices taken as two nodes of four
+  monkeypatch.setattr(rates_lib, "node_of", lambda device: device.id // 4)
+  params, specs = _tree()
+  names = sorted(params)
+  # the 64 x 64 "square" over 8 ranks (the costs by hand in
+  # test_the_choice_is_the_least_modeled_time): inside a node the link is
+  # free and distributed's fewer FLOPs win; with the model axis across the
+  # two nodes duplicated's 10x fewer bytes win at the network's rate
+  duplicated = (5 * 6 * 64**3, 64 * 64 * 4 * 7 / 8)
+  distributed = (5 * (4 * 64**3 / 8 + 2 * 64**3), 5 * 2 * 64 * 64 * 4 * 7 / 8)
+  across = _mesh()
+  tp = om.TensorParallel(across, mode="auto", rates=NETWORKED)
+  choice = _choices(_put(params, specs, across), tp)[names.index("square")]
+  modeled = {c.mode: c.seconds for c in choice.costs}
+  for mode, (flops, moved) in (
+    ("duplicated", duplicated),
+    ("distributed", distributed),
+  ):
+    assert modeled[mode] == pytest.approx(flops / 1e9 + moved / 1e6)
+  assert choice.mode == "duplicated"
+  # the same square on a (2, 4) mesh, tensor parallel inside each node
+  inside = jax.sharding.Mesh(
+    np.array(jax.devices()[:8]).reshape(2, 4),
+    ("data", "model"),
+    axis_types=(AxisType.Explicit,) * 2,
+  )
+  tp = om.TensorParallel(
+    inside, mode="auto", rates=NETWORKED, distribute_over="data"
+  )
+  choice = _choices(_put(params, specs, inside), tp)[names.index("square")]
+  costs = {c.mode: c for c in choice.costs}
+  assert choice.mode == "distributed"
+  # duplicated's gather over 4 ranks is free; its results all-gathered over
+  # the two data ranks (float32, half each) cross the nodes
+  over_data = 64 * 64 * 4 / 2
+  assert costs["duplicated"].bytes == pytest.approx(
+    64 * 64 * 4 * 3 / 4 + over_data
+  )
+  assert costs["duplicated"].seconds == pytest.approx(
+    costs["duplicated"].flops / 1e9 + over_data / 1e6
+  )
 
 
 @pytest.mark.parametrize(

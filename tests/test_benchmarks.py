@@ -327,9 +327,14 @@ def test_at_scale_reads_the_exposed_time_and_the_share_of_a_step():
   assert schedule["asynchronous"] == 0 and schedule["collectives"] > 0
   assert schedule["overlapped_ms"] == 0
   assert schedule["exposed_ms"] == pytest.approx(schedule["collective_ms"])
-  # the ring's (P-1)/P of the collectives' bytes at the CPU's 1e10 bytes/s
-  moved = base["collective_total_gib"] * 2**30
-  assert schedule["collective_ms"] == pytest.approx(moved * 7 / 8 / 1e7)
+  # a ring's bytes over the 8 ranks at the CPU's 1e10 bytes/s: 7/8 of a
+  # gather's result, twice that of an all-reduce's; one node, so none at
+  # the network's rate
+  kinds = {k: v * 2**30 for k, v in base["collective_gib"].items()}
+  moved = 7 / 8 * (kinds.pop("all-gather") + 2 * kinds.pop("all-reduce", 0))
+  assert not kinds  # duplicated gathers and all-reduces only
+  assert schedule["collective_ms"] == pytest.approx(moved / 1e7)
+  assert schedule["network_ms"] == 0
   # twice the tokens at half the MFU: the step's model 4x, the share 1/4
   assert double["train_model_ms"] == pytest.approx(4 * base["train_model_ms"])
   assert double["step_share"] == pytest.approx(base["step_share"] / 4)

@@ -3,13 +3,11 @@ the tensor-parallel axis gives each data rank whole matrices of its share
 of the stack (one all-to-all), so no two data ranks orthogonalize the same
 matrix; the update equals the unsharded one."""
 
-import math
 import re
 import sys
 
 import chex
 import jax
-import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
@@ -193,30 +191,11 @@ def test_a_stack_the_data_axis_does_not_divide_is_padded_to_share(mode):
 
 def _crosses_rows(line: str, mesh) -> bool:
   """Whether a compiled collective runs across rows of ``mesh`` (over its
-  first axis). Its ``replica_groups`` read in each of XLA's forms: the
-  mesh axes it runs over (``mesh['data'=2,'model'=4] {'model'}``, newer
-  XLA), explicit groups of device ids (``{{0,1},{2,3}}``), or an iota
-  (``[G,S]<=[dims]T(perm)``)."""
-  named = re.search(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}", line)
-  if named:
-    return repr(mesh.axis_names[0]) in named.group(1)
-  text = re.search(r"replica_groups=(\S+?)(?:,\s|$)", line).group(1)
-  if text.startswith("{"):
-    groups = [
-      [int(i) for i in group.split(",") if i]
-      for group in re.findall(r"\{([\d,]*)\}", text)
-    ]
-  else:
-    shape, dims, perm = re.match(
-      r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text
-    ).groups()
-    ids = np.arange(math.prod(int(d) for d in dims.split(",")))
-    ids = ids.reshape([int(d) for d in dims.split(",")])
-    if perm:
-      ids = ids.transpose([int(p) for p in perm.split(",")])
-    groups = ids.reshape([int(s) for s in shape.split(",")]).tolist()
-  row_of = {d.id: r for r, row in enumerate(mesh.devices) for d in row}
-  return any(len({row_of[i] for i in group}) > 1 for group in groups)
+  first axis), its groups read by ``_hlo.replica_groups`` (places in the
+  mesh's devices in order)."""
+  groups = _hlo.replica_groups(line)
+  rows = mesh.devices.shape[1]
+  return any(len({i // rows for i in group}) > 1 for group in groups)
 
 
 @pytest.mark.parametrize("mode", EXACT)

@@ -227,6 +227,58 @@ def test_the_schedule_reader_hides_a_collective_under_the_matmuls_inside_it():
   assert seen["exposed_s"] == pytest.approx(0.75)
 
 
+def test_the_schedule_reader_reads_each_form_of_replica_groups():
+  groups = _hlo.replica_groups
+  assert groups("x = f32[8] all-gather(y), replica_groups={{0,2},{1,3}}") == [
+    [0, 2],
+    [1, 3],
+  ]
+  # an iota: 0..7 as [2, 4], transposed, read as 4 groups of 2
+  line = "x = f32[8] all-to-all(y), replica_groups=[4,2]<=[2,4]T(1,0), d={0}"
+  assert groups(line) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert groups("x = f32[8] all-reduce(y), replica_groups=[2,4]<=[8]") == [
+    [0, 1, 2, 3],
+    [4, 5, 6, 7],
+  ]
+  named = "replica_groups=mesh['data'=2,'model'=4] {'data'}, dimensions={0}"
+  assert groups("x = f32[8] all-to-all(y), " + named) == [
+    [0, 4],
+    [1, 5],
+    [2, 6],
+    [3, 7],
+  ]
+  pairs = "x = f32[8] collective-permute(y), source_target_pairs={{0,1},{1,0}}"
+  assert groups(pairs) == [[0, 1], [1, 0]]
+  assert groups("x = f32[8] all-reduce(y), replica_groups={}") is None
+  assert _hlo.sent_fraction("all-reduce", 4) == 1.5
+  assert _hlo.sent_fraction("all-gather", 4) == 0.75
+  assert _hlo.sent_fraction("reduce-scatter", 4) == 3
+
+
+def test_the_schedule_reader_prices_a_group_across_nodes_at_the_network():
+  # SCHEDULED's synchronous all-to-all given groups; eight devices on two
+  # nodes of four. Inside a node: 3/4 of its 32768 bytes at the link;
+  # across (pairs {i, i + 4}): half of them at the network, 1/8 as fast
+  matmuls = 5 * 2 * 64 * 64 * 128
+  nodes = [0] * 4 + [1] * 4
+  sync = "all-to-all(%done), dimensions={0}"
+  for groups, at_link, across in (
+    ("{{0,1,2,3},{4,5,6,7}}", 0.75, False),
+    ("[4,2]<=[2,4]T(1,0)", 0.5, True),
+  ):
+    hlo = SCHEDULED.replace(sync, sync + f", replica_groups={groups}")
+    seconds = at_link * 8 if across else at_link
+    seen = _hlo.overlap(hlo, 2 * matmuls, 32768, 32768 / 8, nodes)
+    # 3 runs: the asynchronous one (no groups named) 1 s, 0.5 s hidden
+    assert seen["collective_s"] == pytest.approx(3 * (1 + seconds))
+    assert seen["exposed_s"] == pytest.approx(3 * (0.5 + seconds))
+    assert seen["network_s"] == pytest.approx(3 * seconds * across)
+    # without the nodes, every group at the link's rate
+    alone = _hlo.overlap(hlo, 2 * matmuls, 32768)
+    assert alone["network_s"] == 0
+    assert alone["collective_s"] == pytest.approx(3 * (1 + at_link))
+
+
 @pytest.mark.parametrize(
   "kind, pipelined",
   [("NVIDIA H100 80GB HBM3", True), ("cpu", True), ("TPU v5p", False)],

@@ -4,7 +4,9 @@ the device's rates (``rates.DeviceRates``)::
 
   seconds = FLOPs / matmul rate + bytes / link bandwidth + collectives · latency
 
-For one ``m × n`` matrix (``m ≤ n``), ``k`` steps and ``P`` tensor-parallel
+each mesh axis's bytes at its own link's bandwidth: ``network_bytes``
+where its groups of devices span nodes, ``link_bytes`` inside one
+(``rates.crosses_nodes``). For one ``m × n`` matrix (``m ≤ n``), ``k`` steps and ``P`` tensor-parallel
 ranks, per device:
 
 * Newton–Schulz: ``k (4 m² n + 2 m³)`` FLOPs (``A = X Xᵀ``, ``A A``, ``B X``);
@@ -143,10 +145,19 @@ def mode_costs(
   )
   pieces = view.matrix_shapes
 
-  def cost(mode, runs, flops, moved, collectives, piece) -> ModeCost:
-    seconds = flops / flop_rate + moved / rates.link_bytes
+  # each axis at its own link: inside a node, or across nodes
+  tp_link = rates.link_for(rates_lib.crosses_nodes(tp.bound_mesh, tp.axis))
+  data_link = rates.link_for(
+    rates_lib.crosses_nodes(tp.bound_mesh, tp.distribute_over)
+  )
+
+  def cost(mode, runs, flops, moved, collectives, piece, spread_moved=0.0):
+    """``moved`` bytes over the tensor-parallel axis, ``spread_moved``
+    over ``distribute_over``."""
+    seconds = flops / flop_rate + moved / tp_link + spread_moved / data_link
     seconds += collectives * rates.latency
-    return ModeCost(mode, runs, flops, moved, collectives, seconds, piece)
+    total = moved + spread_moved
+    return ModeCost(mode, runs, flops, total, collectives, seconds, piece)
 
   def whole(mode, runs) -> ModeCost:
     """Whole matrices on each rank (``duplicated``), split over
@@ -155,10 +166,10 @@ def mode_costs(
     flops = share * sum(newton_schulz_flops(a, b, steps) for a, b in pieces)
     size = count * view.fan_in * view.fan_out
     moved = size * itemsize * (ranks - 1) / ranks
-    if spread > 1:  # the results all-gathered over distribute_over
-      moved += size * 4 * (spread - 1) / spread
+    # the results all-gathered over distribute_over
+    spread_moved = size * 4 * (spread - 1) / spread
     piece = max(waves.newton_schulz_bytes(a, b, 1, itemsize) for a, b in pieces)
-    return cost(mode, runs, flops, moved, 3 + (spread > 1), piece)
+    return cost(mode, runs, flops, moved, 3 + (spread > 1), piece, spread_moved)
 
   costs = []
   for mode in tp.auto_modes if modes is None else modes:

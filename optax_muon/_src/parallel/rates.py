@@ -1,9 +1,12 @@
 """A device's rates for the cost model of ``tp_mode="auto"``: its matmul rate
-in each Newton–Schulz precision and its link's bandwidth.
+in each Newton–Schulz precision and its links' bandwidths, one inside a node
+and one between nodes.
 
 The figures are the parts' public peak numbers (NVIDIA's A100, H100, H200
-and B200 datasheets, SXM, dense; Google Cloud's TPU v4, v5e and v5p pages);
-a model compares the modes with them, it does not predict a step's time.
+and B200 datasheets, SXM, dense, and their DGX systems' one 200 or 400 Gb/s
+InfiniBand port a GPU; Google Cloud's TPU v4, v5e and v5p pages, ICI inside
+a slice and DCN between slices); a model compares the modes with them, it
+does not predict a step's time.
 """
 
 import dataclasses
@@ -37,10 +40,14 @@ class DeviceRates:
       bf16 passes on a TPU).
     highest_flops: FLOP/s at ``precision="highest"`` (fp32 on NVIDIA parts,
       six bf16 passes on a TPU).
-    link_bytes: bytes per second one device sends (and receives) over the
-      tensor-parallel axis.
+    link_bytes: bytes per second one device sends (and receives) to the
+      devices of its own node (NVLink; a TPU slice's ICI).
     latency: seconds each collective costs however small.
     name: the part, for tables.
+    network_bytes: bytes per second one device sends to other nodes
+      (InfiniBand between GPU hosts, DCN between TPU slices); ``None``: as
+      fast as ``link_bytes``. A mesh axis whose groups span nodes
+      (``crosses_nodes``) moves its bytes at this rate.
   """
 
   bf16_flops: float
@@ -49,6 +56,7 @@ class DeviceRates:
   link_bytes: float
   latency: float = 10e-6
   name: str = "custom"
+  network_bytes: float | None = None
 
   def __post_init__(self):
     for field, floor, unit in (
@@ -56,8 +64,11 @@ class DeviceRates:
       ("high_flops", MIN_FLOPS, "FLOP/s"),
       ("highest_flops", MIN_FLOPS, "FLOP/s"),
       ("link_bytes", MIN_LINK_BYTES, "bytes/s"),
+      ("network_bytes", MIN_LINK_BYTES, "bytes/s"),
     ):
       value = getattr(self, field)
+      if field == "network_bytes" and value is None:
+        continue
       if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
@@ -84,28 +95,49 @@ class DeviceRates:
     """FLOP/s of a Newton–Schulz matmul at ``precision``."""
     return getattr(self, _RATE_OF_PRECISION[precision] + "_flops")
 
+  def link_for(self, crosses: bool) -> float:
+    """Bytes/s a device sends over a mesh axis: ``network_bytes`` where
+    the axis's groups span nodes (``crosses``), else ``link_bytes``."""
+    if crosses and self.network_bytes is not None:
+      return self.network_bytes
+    return self.link_bytes
 
-def _tpu(bf16: float, ici_gbps: float, name: str) -> DeviceRates:
-  # a chip's ICI bandwidth counts both directions of all its links
+
+def _gpu(bf16, high, highest, nvlink, infiniband_gbps, name) -> DeviceRates:
+  # NVLink's figure counts both directions; one InfiniBand port a GPU
   return DeviceRates(
-    bf16, bf16 / 3, bf16 / 6, ici_gbps / 8 * 1e9 / 2, 5e-6, name
+    bf16, high, highest, nvlink / 2, 10e-6, name, infiniband_gbps / 8 * 1e9
+  )
+
+
+def _tpu(
+  bf16: float, ici_gbps: float, name: str, dcn_gbps: float | None = None
+) -> DeviceRates:
+  # a chip's ICI bandwidth counts both directions of all its links; DCN is
+  # given per chip (v5p) or per host of eight chips (v5e: 2 x 100 Gb/s)
+  network = None if dcn_gbps is None else dcn_gbps / 8 * 1e9
+  return DeviceRates(
+    bf16, bf16 / 3, bf16 / 6, ici_gbps / 8 * 1e9 / 2, 5e-6, name, network
   )
 
 
 # device_kind prefix -> rates (the first that matches)
 KNOWN_RATES = {
-  # NVLink 3/4/5: 600 / 900 / 1800 GB/s both directions together
-  "NVIDIA A100": DeviceRates(312e12, 156e12, 19.5e12, 300e9, 10e-6, "A100"),
-  "NVIDIA H100": DeviceRates(989e12, 494e12, 67e12, 450e9, 10e-6, "H100"),
-  "NVIDIA H200": DeviceRates(989e12, 494e12, 67e12, 450e9, 10e-6, "H200"),
-  "NVIDIA B200": DeviceRates(2250e12, 1100e12, 75e12, 900e9, 10e-6, "B200"),
+  # NVLink 3/4/5: 600 / 900 / 1800 GB/s; DGX A100: HDR 200 Gb/s a GPU,
+  # DGX H100 / H200 / B200: NDR 400 Gb/s a GPU
+  "NVIDIA A100": _gpu(312e12, 156e12, 19.5e12, 600e9, 200, "A100"),
+  "NVIDIA H100": _gpu(989e12, 494e12, 67e12, 900e9, 400, "H100"),
+  "NVIDIA H200": _gpu(989e12, 494e12, 67e12, 900e9, 400, "H200"),
+  "NVIDIA B200": _gpu(2250e12, 1100e12, 75e12, 1800e9, 400, "B200"),
+  # TPU v4's page gives no DCN figure: its ICI rate is used across slices
   "TPU v4": _tpu(275e12, 2400, "TPU v4"),
-  "TPU v5 lite": _tpu(197e12, 1600, "TPU v5e"),
-  "TPU v5e": _tpu(197e12, 1600, "TPU v5e"),
-  "TPU v5p": _tpu(459e12, 4800, "TPU v5p"),
-  "TPU v5": _tpu(459e12, 4800, "TPU v5p"),
-  # the simulated devices of one host: an order of magnitude, for tests
-  "cpu": DeviceRates(1e11, 1e11, 1e11, 1e10, 1e-6, "CPU"),
+  "TPU v5 lite": _tpu(197e12, 1600, "TPU v5e", 200 / 8),
+  "TPU v5e": _tpu(197e12, 1600, "TPU v5e", 200 / 8),
+  "TPU v5p": _tpu(459e12, 4800, "TPU v5p", 50),
+  "TPU v5": _tpu(459e12, 4800, "TPU v5p", 50),
+  # the simulated devices of one host: an order of magnitude, for tests;
+  # processes on one machine (multi-process runs) count as nodes
+  "cpu": DeviceRates(1e11, 1e11, 1e11, 1e10, 1e-6, "CPU", 1e9),
 }
 
 
@@ -116,6 +148,30 @@ def device_kind(mesh) -> str:
     device = mesh.abstract_device
     return "unknown" if device is None else device.device_kind
   return mesh.devices.flat[0].device_kind
+
+
+def node_of(device) -> int:
+  """The node a device belongs to, for ``crosses_nodes``: a TPU's slice
+  (ICI joins the hosts of one slice), any other device's process (one a
+  host, as GPU programs are launched)."""
+  if device.platform == "tpu":
+    return getattr(device, "slice_index", None) or 0
+  return device.process_index
+
+
+def crosses_nodes(mesh, axis) -> bool:
+  """Whether a group of devices along ``axis`` (a name or a tuple of names)
+  of a concrete mesh spans nodes (``node_of``); an abstract mesh's devices
+  are unknown: False."""
+  if isinstance(mesh, jax.sharding.AbstractMesh) or axis is None:
+    return False
+  names = (axis,) if isinstance(axis, str) else tuple(axis)
+  devices = mesh.devices
+  order = [mesh.axis_names.index(n) for n in names]
+  rest = [i for i in range(devices.ndim) if i not in order]
+  size = math.prod(devices.shape[i] for i in order)
+  groups = devices.transpose(rest + order).reshape(-1, size)
+  return any(len({node_of(d) for d in group}) > 1 for group in groups)
 
 
 def rates_of(mesh) -> DeviceRates | None:
