@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import optax_muon as om
 from conftest import ROOT
 from conftest import normal
+from optax_muon._src.parallel import fsdp as om_fsdp
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _hlo  # noqa: E402  (the benchmarks' HLO byte count)
@@ -228,6 +229,49 @@ def test_experts_sharded_over_an_expert_axis_move_nothing_over_it(mode):
   assert lines  # the mode's own tensor-parallel traffic
   for line in lines:
     assert not _crosses_rows(line, mesh), line
+
+
+@pytest.mark.parametrize(
+  "mode, budgets",
+  [
+    ("duplicated", (1, 200_000, 300_000)),
+    ("distributed", (1, 80_000, 150_000)),
+  ],
+)
+def test_homed_stacks_moved_in_parts_or_before_are_exact(
+  mode, budgets, monkeypatch
+):
+  """A stack homed over data (10 layers, 5 a data rank) under budgets that
+  move it home a part at a time (1 byte: parts of one layer), or make it
+  whole before its waves (one part of 3 and one of 2: too few parts to move
+  per part; or it fits whole): each path is taken, and each equals the
+  unsharded update."""
+  taken = []
+  real = om_fsdp.in_task
+
+  def spy(plans, axis, parts):
+    got = real(plans, axis, parts)
+    path = (
+      "before" if got is None else "parts" if got[0].split_home else "whole"
+    )
+    taken.append(path)
+    return got
+
+  monkeypatch.setattr(om_fsdp, "in_task", spy)
+  mesh = _mesh((2, 4))
+  params = {"w": normal(jax.random.key(3), (10, 32, 64))}
+  specs = {"w": P(None, "data", "model")}
+  reference = om.scale_by_muon(dimension_numbers="leading")
+  expected = reference.update(params, reference.init(params))[0]
+  for budget in budgets:
+    tx = om.scale_by_muon(
+      dimension_numbers="leading",
+      sharding=om.TensorParallel(mesh, mode=mode),
+      memory_budget=budget,
+    )
+    got = _update(tx, _put(params, specs, mesh), mesh)
+    chex.assert_trees_all_close(got, expected, atol=1e-5)
+  assert taken == ["parts", "before", "before"]
 
 
 def test_fsdp_homes_on_a_two_rank_data_axis():

@@ -116,6 +116,58 @@ def test_no_collective_of_a_part_waits_on_newton_schulz_nor_it_on_them():
   assert payload.aval.size * payload.aval.dtype.itemsize == 2 * 8 * 64 * 32 * 4
 
 
+def _all_to_alls_over(eqns, axis: str) -> list:
+  """Every ``all_to_all`` over mesh axis ``axis`` among ``eqns``, those of
+  the programs inside them included."""
+  found = []
+  for eqn in eqns:
+    names = eqn.params.get("axis_name", ())
+    names = names if isinstance(names, tuple) else (names,)
+    if eqn.primitive.name == "all_to_all" and axis in names:
+      found.append(eqn)
+    for inner in _inner_jaxprs(eqn):
+      found += _all_to_alls_over(inner.eqns, axis)
+  return found
+
+
+def test_fsdp_homes_move_a_part_at_a_time_beside_newton_schulz():
+  # a stack whose input axis is sharded over data (FSDP) is homed over
+  # data, 16 of its 32 layers a rank; the memory budget splits it into
+  # parts, and each part is moved home (and back) in the parts' loop, never
+  # the whole stack at once: its moves stay within the budget and run
+  # beside the Newton–Schulz of another part
+  mesh = jax.make_mesh(
+    (2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2
+  )
+  spec = P(None, "data", "model")
+  params = {
+    "stack": jax.ShapeDtypeStruct(
+      (32, 64, 256), jnp.float32, sharding=NamedSharding(mesh, spec)
+    )
+  }
+  tx = om.orthogonalize(
+    dimension_numbers="leading",
+    sharding=om.TensorParallel(mesh, mode="allgather", specs={"stack": spec}),
+    memory_budget=1,
+  )
+  jaxpr = jax.make_jaxpr(tx.update)(params, optax.EmptyState()).jaxpr
+  local_stack = 32 * 32 * 64 * 4  # bytes of a device's shard
+  moves = _all_to_alls_over(jaxpr.eqns, "data")
+  assert moves
+  for eqn in moves:
+    (payload,) = eqn.invars
+    assert payload.aval.size * payload.aval.dtype.itemsize <= local_stack / 4
+  (body,) = [b for b in _loops(jaxpr) if _all_to_alls_over(b.eqns, "data")]
+  ancestors = _ancestors(body)
+  kinds = [_primitives(e) for e in body.eqns]
+  matmuls = [i for i, k in enumerate(kinds) if k & MATMULS]
+  homes = [i for i, e in enumerate(body.eqns) if _all_to_alls_over([e], "data")]
+  assert len(homes) == 2 and matmuls  # the next part home, the last back
+  for c in homes:
+    for m in matmuls:
+      assert m not in ancestors[c] and c not in ancestors[m]
+
+
 def test_duplicated_gathers_then_solves_each_part():
   # the GPU compiler kept duplicated's gathers exposed when pipelined and
   # copied whole stacks for it (Llama-3-70B, h100-8: temp 6.3 -> 16.4 GiB),
@@ -135,8 +187,13 @@ def test_duplicated_gathers_then_solves_each_part():
     # 33 layers, a part of 8 (one a rank): 4 parts pipelined, 1 after
     ((8,), P(None, None, "model"), 33),
     # FSDP × TP: 34 layers homed over data (17 a rank), parts of 4 layers
-    # over model: 4 parts pipelined, 1 after
+    # over model, each moved home in its part: 4 parts pipelined, 1 after
     ((2, 4), P(None, "data", "model"), 34),
+    # 34 layers over 4 data ranks, padded to 36 (9 a rank), parts of 2
+    ((4, 2), P(None, "data", "model"), 34),
+    # 10 layers (5 a rank), too few for allgather to split: homed before
+    # the waves
+    ((2, 4), P(None, "data", "model"), 10),
   ],
 )
 def test_pipelined_parts_equal_one_wave_with_the_momentum_in_them(

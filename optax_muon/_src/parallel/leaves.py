@@ -20,7 +20,9 @@ class Leaf:
   """A Muon leaf inside ``shard_map``, as the planners see it.
 
   Attributes:
-    x: the local block (matrix axes over other mesh axes already gathered).
+    x: the local block's shape and dtype once its matrix axes over other
+      mesh axes are made whole (``fsdp.whole_shape``): a planner reads
+      these; its tasks' inputs are set by the caller.
     view: its ``MatrixView`` (global shape).
     tp_dim: the matrix axis split over the tensor-parallel axis, or None.
     index: its place among the leaves (a task's ``owners``).
@@ -28,7 +30,7 @@ class Leaf:
       ``distribute_over`` (the layer-wise split applies).
   """
 
-  x: jax.Array
+  x: jax.ShapeDtypeStruct
   view: layout.MatrixView
   tp_dim: int | None
   index: int

@@ -56,6 +56,7 @@ class DeviceRates:
   link_bytes: float
   latency: float = 10e-6
   name: str = "custom"
+  _: dataclasses.KW_ONLY
   network_bytes: float | None = None
 
   def __post_init__(self):
@@ -106,7 +107,13 @@ class DeviceRates:
 def _gpu(bf16, high, highest, nvlink, infiniband_gbps, name) -> DeviceRates:
   # NVLink's figure counts both directions; one InfiniBand port a GPU
   return DeviceRates(
-    bf16, high, highest, nvlink / 2, 10e-6, name, infiniband_gbps / 8 * 1e9
+    bf16,
+    high,
+    highest,
+    nvlink / 2,
+    10e-6,
+    name,
+    network_bytes=infiniband_gbps / 8 * 1e9,
   )
 
 
@@ -117,7 +124,13 @@ def _tpu(
   # given per chip (v5p) or per host of eight chips (v5e: 2 x 100 Gb/s)
   network = None if dcn_gbps is None else dcn_gbps / 8 * 1e9
   return DeviceRates(
-    bf16, bf16 / 3, bf16 / 6, ici_gbps / 8 * 1e9 / 2, 5e-6, name, network
+    bf16,
+    bf16 / 3,
+    bf16 / 6,
+    ici_gbps / 8 * 1e9 / 2,
+    5e-6,
+    name,
+    network_bytes=network,
   )
 
 
@@ -137,7 +150,7 @@ KNOWN_RATES = {
   "TPU v5": _tpu(459e12, 4800, "TPU v5p", 50),
   # the simulated devices of one host: an order of magnitude, for tests;
   # processes on one machine (multi-process runs) count as nodes
-  "cpu": DeviceRates(1e11, 1e11, 1e11, 1e10, 1e-6, "CPU", 1e9),
+  "cpu": DeviceRates(1e11, 1e11, 1e11, 1e10, 1e-6, "CPU", network_bytes=1e9),
 }
 
 

@@ -78,7 +78,8 @@ class Task:
   returns its outputs.
 
   Attributes:
-    inputs: the arrays the task reads.
+    inputs: the arrays the task reads (a planner's tasks hold their
+      leaves' ``ShapeDtypeStruct``s, which ``sharded`` replaces).
     prepare: ``inputs -> (matrices, context)``: the ``(batch, m, n)``
       matrices to orthogonalize (gathers and all-to-alls happen here).
     restore: ``(matrices, context) -> outputs``, one per input, each of its
@@ -104,7 +105,7 @@ class Task:
       called in turn.
   """
 
-  inputs: Sequence[jax.Array]
+  inputs: Sequence[Any]
   prepare: Callable[[Sequence[jax.Array]], tuple[list, Any]]
   restore: Callable[[list, Any], Sequence[jax.Array]]
   solve: Solve
@@ -251,6 +252,16 @@ def plan(tasks: Sequence[Task], budget: int) -> list[tuple[list[Task], int]]:
   return [
     ([tasks[i] for i in wave], part) for wave, part in _waves(tasks, budget)
   ]
+
+
+def part_sizes(tasks: Sequence[Task], budget: int) -> list[int]:
+  """Per task, the size of the parts ``run`` splits it into, or 0 where it
+  runs whole."""
+  sizes = [0] * len(tasks)
+  for places, part in _waves(tasks, budget):
+    if part:
+      sizes[places[0]] = part
+  return sizes
 
 
 def _waves(tasks: Sequence[Task], budget: int) -> list[tuple[list[int], int]]:
