@@ -80,18 +80,3 @@ def formula(
     "model_ms": sum(c.seconds for c in costs) * 1e3,
     "auto_chose": chosen,
   }
-
-
-def modeled_ms(
-  ns_tflop, collective_gib: dict, rates, precision, ranks
-) -> float:
-  """Milliseconds: ``ns_tflop`` at the matmul rate plus the compiled
-  collectives' bytes as a ring moves them (``(P−1)/P`` of a gather's or an
-  all-to-all's result, twice that of an all-reduce's) at the link's."""
-  ring = (ranks - 1) / ranks
-  moved = ring * sum(
-    gib * (2 if kind == "all-reduce" else 1)
-    for kind, gib in collective_gib.items()
-  )
-  seconds = ns_tflop * 1e12 / rates.matmul_flops(precision)
-  return (seconds + moved * 2**30 / rates.link_bytes) * 1e3

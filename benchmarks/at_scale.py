@@ -93,7 +93,6 @@ from _hlo import host_bytes  # noqa: E402
 from _hlo import overlap  # noqa: E402
 from _timing import emit  # noqa: E402
 from _update_time import formula  # noqa: E402
-from _update_time import modeled_ms  # noqa: E402
 from _update_time import rates_of  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -670,8 +669,9 @@ NOT_COUNTED = (
 MODELED = (
   "modeled ms is a model, not a measurement: the Newton-Schulz FLOPs by "
   "formula (5 steps of every matrix) at the part's peak matmul rate for "
-  "--precision, plus the compiled collectives' bytes as a ring moves them at "
-  "its link's peak bandwidth (om.KNOWN_RATES), nothing overlapped. "
+  "--precision, plus the compiled collectives' bytes as a ring moves them "
+  "over each one's group at its link's peak bandwidth, or the network's "
+  "where the group spans nodes (om.KNOWN_RATES), nothing overlapped. "
   "cost_analysis counts a loop's body once (the step and wave loops), so it "
   "is a floor. auto: each leaf's mode of least modeled time. collective ms "
   "exposed / all: read from the compiled schedule, an asynchronous "
@@ -877,14 +877,9 @@ def add_modeled_time(record: dict, flat, mesh, args) -> None:
     args.distribute_over,
   )
   record.update(model, rates=rates.name)
-  if record.get("compiled"):
-    record["modeled_ms"] = modeled_ms(
-      model["ns_tflop"],
-      record["collective_gib"],
-      rates,
-      args.precision,
-      mesh.shape["model"],
-    )
+  if record.get("schedule"):  # each collective over its own group and link
+    ns_s = model["ns_tflop"] * 1e12 / rates.matmul_flops(args.precision)
+    record["modeled_ms"] = ns_s * 1e3 + record["schedule"]["collective_ms"]
 
 
 def add_muon_bp_average(records: dict) -> None:
