@@ -154,8 +154,7 @@ def _exchange(payloads: list[jax.Array], axis_name) -> list[jax.Array]:
   if len({p.dtype for p in payloads}) > 1:
     return [_exchange([p], axis_name)[0] for p in payloads]
   flat = [p.reshape(p.shape[0], -1) for p in payloads]
-  together = flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)
-  received = jax.lax.all_to_all(together, axis_name, 0, 0)
+  received = jax.lax.all_to_all(jnp.concatenate(flat, axis=1), axis_name, 0, 0)
   bounds = np.cumsum([f.shape[1] for f in flat])[:-1]
   return [
     r.reshape(p.shape)

@@ -6,8 +6,8 @@ the device's rates (``rates.DeviceRates``)::
 
 each mesh axis's bytes at its own link's bandwidth: ``network_bytes``
 where its groups of devices span nodes, ``link_bytes`` inside one
-(``rates.crosses_nodes``). For one ``m × n`` matrix (``m ≤ n``), ``k`` steps and ``P`` tensor-parallel
-ranks, per device:
+(``rates.crosses_nodes``). For one ``m × n`` matrix (``m ≤ n``), ``k``
+steps and ``P`` tensor-parallel ranks, per device:
 
 * Newton–Schulz: ``k (4 m² n + 2 m³)`` FLOPs (``A = X Xᵀ``, ``A A``, ``B X``);
 * ``blockwise``: its shard's Newton–Schulz, no bytes (not exact);

@@ -146,12 +146,19 @@ def make_whole(x, plan: list[FsdpMove]):
     if move.home is None:
       x = jax.lax.all_gather(x, move.name, axis=move.dim, tiled=True)
       continue
-    if move.padded > move.length:  # zero matrices: Newton–Schulz keeps 0
-      pad = [(0, 0)] * x.ndim
-      pad[move.home] = (0, move.padded - move.length)
-      x = jnp.pad(x, pad)
+    x = _pad_home(x, move)
     x = jax.lax.all_to_all(x, move.name, move.home, move.dim, tiled=True)
   return x
+
+
+def _pad_home(x, move: FsdpMove):
+  """``x`` with its home axis padded to ``move.padded`` with zero matrices
+  (Newton–Schulz keeps them 0)."""
+  if move.home is None or move.padded == move.length:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[move.home] = (0, move.padded - move.length)
+  return jnp.pad(x, pad)
 
 
 def give_back(x, plan: list[FsdpMove]):
@@ -184,11 +191,9 @@ class InTask:
     move = self.split_home
     if move is None:
       return x
-    pad = [(0, 0)] * x.ndim
-    pad[move.home] = (0, move.padded - move.length)
     shape = list(x.shape)
     shape[move.home : move.home + 1] = [move.ranks, move.slots]
-    return jnp.pad(x, pad).reshape(shape)
+    return _pad_home(x, move).reshape(shape)
 
   def unarrange(self, x):
     move = self.split_home

@@ -6,9 +6,9 @@ one (FSDP over ``data``) are made whole and re-split (``fsdp``: a stack
 shared out over that axis, so no two of its ranks orthogonalize the same
 matrix; a leaf without a stack gathered) by the task that orthogonalizes
 them, in its wave and a part at a time where the waves split it
-(``_moving_inside``); sharded batch axes stay sharded. Each leaf then goes to the planner of its mode
-(its ``plan.LeafPlan``: ``blockwise``, ``duplicated``, ``distributed`` or
-``allgather``, one module each), which
+(``_moving_inside``); sharded batch axes stay sharded. Each leaf then goes
+to the planner of its mode (its ``plan.LeafPlan``: ``blockwise``,
+``duplicated``, ``distributed`` or ``allgather``, one module each), which
 returns the leaf's tasks, and the tasks of all leaves run in waves within
 the memory budget (``waves``).
 """
