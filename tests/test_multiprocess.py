@@ -67,6 +67,7 @@ def test_muon_across_two_processes_equals_one_process():
 # -- the example across processes ---------------------------------------------
 
 import json  # noqa: E402
+import os  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -91,14 +92,17 @@ RUN = [
 ]
 
 
-def _launch(args, out, **popen):
-  # no persistent compilation cache shared between the runs: on jax 0.12.1
-  # two processes that read one a run before them wrote hang in their first
-  # collective (0.12.0.1 did not)
+def _launch(args, out, cache, **popen):
+  env = dict(
+    os.environ,
+    JAX_COMPILATION_CACHE_DIR=str(cache),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+  )
   return launch_local.start(
     2,
     ["--mesh", "data=2,model=4", *args, f"train.out_dir={out}"],
     cwd=ROOT,
+    environ=env,
     stdout=subprocess.DEVNULL,
     stderr=subprocess.PIPE,
     **popen,
@@ -128,11 +132,12 @@ def _kill_after_first_checkpoint_and_resume(
     f"train.eval_every={every}",
     f"train.checkpoint_every={every}",
   ]
+  cache = tmp_path / "jax_cache"
   whole, broken = tmp_path / "whole", tmp_path / "broken"
-  _wait(_launch(args, whole))
+  _wait(_launch(args, whole, cache))
   # the same run, one process killed once the first checkpoint is written,
   # then the other (it waits in a collective), as a scheduler would
-  processes = _launch(args, broken)
+  processes = _launch(args, broken, cache)
   first = broken / "checkpoints" / str(every)
   deadline = time.time() + 240
   while (
@@ -144,7 +149,7 @@ def _kill_after_first_checkpoint_and_resume(
   processes[0].send_signal(signal.SIGKILL)
   processes[0].wait()
   assert first.exists() and not (broken / "final.json").exists()
-  _wait(_launch(args + ["--resume"], broken))
+  _wait(_launch(args + ["--resume"], broken, cache))
   final = {
     name: json.loads((path / "final.json").read_text())
     for name, path in (("whole", whole), ("broken", broken))
