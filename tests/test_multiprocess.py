@@ -132,12 +132,14 @@ def _kill_after_first_checkpoint_and_resume(
     f"train.eval_every={every}",
     f"train.checkpoint_every={every}",
   ]
+  # a compilation cache for each run: on jax 0.12.1 a run whose two
+  # processes read the cache an earlier run wrote hung before its first step
   cache = tmp_path / "jax_cache"
   whole, broken = tmp_path / "whole", tmp_path / "broken"
-  _wait(_launch(args, whole, cache))
+  _wait(_launch(args, whole, cache / "whole"))
   # the same run, one process killed once the first checkpoint is written,
   # then the other (it waits in a collective), as a scheduler would
-  processes = _launch(args, broken, cache)
+  processes = _launch(args, broken, cache / "broken")
   first = broken / "checkpoints" / str(every)
   deadline = time.time() + 240
   while (
@@ -149,7 +151,7 @@ def _kill_after_first_checkpoint_and_resume(
   processes[0].send_signal(signal.SIGKILL)
   processes[0].wait()
   assert first.exists() and not (broken / "final.json").exists()
-  _wait(_launch(args + ["--resume"], broken, cache))
+  _wait(_launch(args + ["--resume"], broken, cache / "resumed"))
   final = {
     name: json.loads((path / "final.json").read_text())
     for name, path in (("whole", whole), ("broken", broken))
