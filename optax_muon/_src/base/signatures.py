@@ -1,35 +1,22 @@
-"""Public signatures generated from keyword groups declared once.
+"""Keyword groups: the Muon family's shared keywords, declared once.
 
-A family's shared keywords are declared once, in ``TypedDict`` groups whose
+A family's shared keywords are declared in ``TypedDict`` groups whose
 entries carry their type and default::
 
   class Momentum(TypedDict, total=False):
     beta: Annotated[Numeric, Default(0.95)]
 
-A member is written ``def member(learning_rate, *, its_own=1, **options:
-Unpack[Group])`` and decorated with ``with_signature(order)``: users see
-(``inspect``, ``help``, the docs) its positional parameters, then its
-keyword-only ones in ``order`` — its own from the ``def``, the shared ones
-from the group — and last, in the group's order, any keyword of the group
-that ``order`` does not name. So a keyword added to a group reaches every
-member that takes the group, and a call written before still works (``order``
-keeps each member's recorded order). A call binds as Python binds it (an
-unknown keyword is a ``TypeError`` naming it), and the member receives every
-keyword, its default filled in. A type checker reads the ``Unpack``: a
-wrong type at a call is its error.
+and each member writes its signature out in full (so mypy, pyright, IDEs
+and Sphinx read every keyword's type and default from the ``def``).
+``disagreements`` says where a member's signature departs from its group:
+``tests/test_signatures.py`` holds every member to its group, so a keyword
+added to a group is reported, by name, for each member that lacks it.
 """
 
 import dataclasses
-import functools
 import inspect
 import typing
-from collections.abc import Callable
 from typing import Any
-from typing import ParamSpec
-from typing import TypeVar
-
-Parameters = ParamSpec("Parameters")
-Result = TypeVar("Result")
 
 _KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
 
@@ -61,101 +48,49 @@ def declared(group: Any) -> dict[str, tuple[Any, Any]]:
   return entries
 
 
-def _group_of(signature: inspect.Signature, name: str) -> Any:
-  """The ``TypedDict`` of a function's ``**options: Unpack[...]``."""
-  for parameter in signature.parameters.values():
-    if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-      group = typing.get_args(parameter.annotation)
-      if len(group) == 1:
-        return group[0]
-  raise TypeError(f"{name} takes no **options: Unpack[group]")
-
-
-def with_signature(
-  order: str, *, rest: tuple[str, Any] | None = None, **defaults: Any
-) -> Callable[[Callable[Parameters, Result]], Callable[Parameters, Result]]:
-  """The decorated member's public signature, generated (see the module).
+def disagreements(
+  function: Any,
+  group: Any,
+  *,
+  rest: Any = None,
+  may_differ: typing.Collection[str] = (),
+) -> list[str]:
+  """Where ``function``'s signature departs from its keyword ``group``.
 
   Args:
-    order: the keyword-only parameters' names, space-separated, in the order
-      users have seen them; each is the member's own or its group's.
-    rest: ``(name, subgroup)``: the subgroup's keywords (part of the
-      group) are shown as one last ``**name`` parameter (``**scalar_kwargs``:
-      the AdamW group's), taken when given, without defaults; another
-      keyword there is a ``TypeError``.
-    **defaults: the member's own default for a group's keyword (its
-      reference implementation's, said in ``settings.DIFFERENT_DEFAULTS``).
+    function: a member (a wrapper made with ``functools.wraps`` is read
+      through to the ``def``).
+    group: its ``TypedDict`` group.
+    rest: a subgroup taken in a last ``**`` parameter annotated
+      ``Unpack[rest]`` (the AdamW group's ``**scalar_kwargs``), or None.
+    may_differ: keywords whose default is the member's own.
 
   Returns:
-    A decorator; the function it returns has ``__signature__`` set.
+    One line per problem: a group keyword not taken keyword-only, taken
+    with another annotation or default; a ``**`` parameter other than
+    ``Unpack[rest]``; an empty list where the member agrees.
   """
-
-  def decorate(
-    function: Callable[Parameters, Result],
-  ) -> Callable[Parameters, Result]:
-    own = inspect.signature(function)
-    shared = declared(_group_of(own, function.__name__))
-    handed_on = set(declared(rest[1])) if rest is not None else set()
-    shared = {name: shared[name] for name in shared if name not in handed_on}
-    keyword_only = {
-      name: parameter
-      for name, parameter in own.parameters.items()
-      if parameter.kind is _KEYWORD_ONLY
-    }
-    names = order.split()
-    problems = {
-      "neither its own nor its group's": set(names) - {*keyword_only, *shared},
-      "its own and its group's": set(keyword_only) & set(shared),
-      "its own but not in the order": set(keyword_only) - set(names),
-      "a default for no keyword of its group": set(defaults) - set(shared),
-    }
-    for problem, found in problems.items():
-      if found:
-        raise TypeError(f"{function.__name__}: {sorted(found)}: {problem}")
-    names += [name for name in shared if name not in names]
-    parameters = [
-      parameter
-      for parameter in own.parameters.values()
-      if parameter.kind
-      in (
-        inspect.Parameter.POSITIONAL_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-      )
-    ]
-    for name in names:
-      if name in keyword_only:
-        parameters.append(keyword_only[name])
-        continue
-      annotation, default = shared[name]
-      parameters.append(
-        inspect.Parameter(
-          name,
-          _KEYWORD_ONLY,
-          default=defaults.get(name, default),
-          annotation=annotation,
-        )
-      )
-    if rest is not None:
-      parameters.append(
-        inspect.Parameter(rest[0], inspect.Parameter.VAR_KEYWORD)
-      )
-    signature = own.replace(parameters=parameters)
-
-    @functools.wraps(function)
-    def member(*args: Any, **kwargs: Any) -> Result:
-      try:
-        bound = signature.bind(*args, **kwargs)
-      except TypeError as error:  # named, as Python names a function's
-        raise TypeError(f"{function.__name__}() {error}") from None
-      if rest is not None:
-        for name in set(bound.arguments.get(rest[0], {})) - handed_on:
-          raise TypeError(
-            f"{function.__name__}() got an unexpected keyword argument {name!r}"
-          )
-      bound.apply_defaults()
-      return function(*bound.args, **bound.kwargs)
-
-    member.__signature__ = signature  # type: ignore[attr-defined]
-    return typing.cast(Callable[Parameters, Result], member)
-
-  return decorate
+  parameters = inspect.signature(function).parameters
+  handed_on = set(declared(rest)) if rest is not None else set()
+  problems = []
+  for name, (annotation, default) in declared(group).items():
+    if name in handed_on:
+      continue
+    parameter = parameters.get(name)
+    if parameter is None or parameter.kind is not _KEYWORD_ONLY:
+      problems.append(f"{name}: not a keyword-only parameter")
+      continue
+    if parameter.annotation != annotation:
+      problems.append(f"{name}: annotated {parameter.annotation}")
+    if parameter.default != default and name not in may_differ:
+      problems.append(f"{name}: default {parameter.default!r}")
+  var_keyword = [
+    p for p in parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD
+  ]
+  if rest is None and var_keyword:
+    problems.append(f"**{var_keyword[0].name}: takes any keyword")
+  if rest is not None and (
+    not var_keyword or typing.get_args(var_keyword[0].annotation) != (rest,)
+  ):
+    problems.append(f"no **parameter annotated Unpack[{rest.__name__}]")
+  return problems

@@ -22,7 +22,6 @@ Megatron-Core 0.19's wrapper applies the shape scale twice for ``normuon`` and
 
 from typing import Any
 from typing import NamedTuple
-from typing import Unpack
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +29,11 @@ import optax
 
 from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
-from optax_muon._src.base import signatures
 from optax_muon._src.base import types
 from optax_muon._src.optimizers import registry
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms.moment2 import Moment2State
 from optax_muon._src.transforms.moment2 import scale_by_moment2
 
@@ -49,19 +48,30 @@ class AdaptiveMuonState(NamedTuple):
 
 
 @built.recorded
-@signatures.with_signature(
-  "moment2_method beta2 moment2_eps beta nesterov momentum_style mu_dtype"
-  " coefficients steps precision scale_mode extra_scale_factor"
-  " match_adamw_update_rms adamw_beta1 dimension_numbers split_qkv sharding"
-  " layout split_gate_up memory_budget method preconditioning"
-)
 def scale_by_adaptive_muon(
   *,
   moment2_method: types.Moment2Method = "adamuon",
   beta2: types.Numeric = 0.95,
-  moment2_eps: types.Numeric = 1e-8,
+  moment2_eps: types.Numeric = 1e-08,
+  beta: types.Numeric = 0.95,
+  nesterov: bool = True,
+  momentum_style: types.MomentumStyle = "ema",
+  mu_dtype: types.MomentumDtype = None,
+  coefficients: types.Coefficients = "quintic",
+  steps: types.Steps = 5,
+  precision: types.Precision = "highest",
+  scale_mode: types.ScaleMode = "spectral",
+  extra_scale_factor: types.Numeric | None = None,
+  match_adamw_update_rms: bool = False,
   adamw_beta1: types.Numeric = 0.9,
-  **options: Unpack[settings.MuonDirectionOptions],
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  sharding: TensorParallel | None = None,
+  layout: Any = None,
+  split_gate_up: types.PerLeaf = None,
+  memory_budget: int | None = None,
+  method: types.Method = "standard",
+  preconditioning: types.Preconditioning = "frobenius",
 ) -> optax.GradientTransformation:
   r"""AdaptiveMuon's direction: momentum, raw Newton–Schulz, second moment,
   then the shape scale (EO's order)::
@@ -91,11 +101,9 @@ def scale_by_adaptive_muon(
   References:
     NVIDIA emerging-optimizers 0.3.0, ``AdaptiveMuon``
   """
-  _checks.check_choice(
-    "momentum_style", options["momentum_style"], MOMENTUM_STYLES
-  )
+  _checks.check_choice("momentum_style", momentum_style, MOMENTUM_STYLES)
   arguments, extra = settings.scaled_direction_arguments(locals())
-  canonical_dtype("mu_dtype", options["mu_dtype"], quantized=True)
+  canonical_dtype("mu_dtype", mu_dtype, quantized=True)
   momentum = settings.momentum_of(arguments)
   orthogonalization = settings.orthogonalization_of(
     arguments, state_memory_kind=None
@@ -107,7 +115,7 @@ def scale_by_adaptive_muon(
     moment2_eps,
     **settings.forward(scale_by_moment2, arguments),
   )
-  shape = orthogonalization.scale_by_shape(options["scale_mode"])
+  shape = orthogonalization.scale_by_shape(scale_mode)
 
   def init_fn(params):
     orthogonalize.init(params)  # bad views, dtypes or specs raise here
@@ -128,22 +136,41 @@ def scale_by_adaptive_muon(
 
 
 @built.recorded
-@signatures.with_signature(
-  "moment2_method beta2 moment2_eps beta nesterov momentum_style mu_dtype"
-  " coefficients steps precision scale_mode extra_scale_factor"
-  " match_adamw_update_rms dimension_numbers split_qkv sharding layout"
-  " split_gate_up weight_decay weight_decay_mask labels scalar_optimizer"
-  " adam_learning_rate adam_b1 adam_b2 adam_eps adam_weight_decay"
-  " adam_weight_decay_mask memory_budget state_memory_kind method"
-  " preconditioning"
-)
 def adaptive_muon(
   learning_rate: optax.ScalarOrSchedule,
   *,
   moment2_method: types.Moment2Method = "adamuon",
   beta2: types.Numeric = 0.95,
-  moment2_eps: types.Numeric = 1e-8,
-  **options: Unpack[settings.MuonOptions],
+  moment2_eps: types.Numeric = 1e-08,
+  beta: types.Numeric = 0.95,
+  nesterov: bool = True,
+  momentum_style: types.MomentumStyle = "ema",
+  mu_dtype: types.MomentumDtype = None,
+  coefficients: types.Coefficients = "quintic",
+  steps: types.Steps = 5,
+  precision: types.Precision = "highest",
+  scale_mode: types.ScaleMode = "spectral",
+  extra_scale_factor: types.Numeric | None = None,
+  match_adamw_update_rms: bool = False,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  sharding: TensorParallel | None = None,
+  layout: Any = None,
+  split_gate_up: types.PerLeaf = None,
+  weight_decay: types.Numeric = 0.0,
+  weight_decay_mask: types.PerLeaf = None,
+  labels: types.PerLeaf = None,
+  scalar_optimizer: types.ScalarOptimizer = "adam",
+  adam_learning_rate: optax.ScalarOrSchedule | None = None,
+  adam_b1: types.Numeric = 0.9,
+  adam_b2: types.Numeric = 0.999,
+  adam_eps: types.Numeric = 1e-08,
+  adam_weight_decay: types.Numeric = 0.0,
+  adam_weight_decay_mask: types.PerLeaf = None,
+  memory_budget: int | None = None,
+  state_memory_kind: types.MemoryKind | None = None,
+  method: types.Method = "standard",
+  preconditioning: types.Preconditioning = "frobenius",
 ) -> optax.GradientTransformation:
   r"""AdaptiveMuon (NorMuon, AdaMuon, NAMO) for the matrices, AdamW for the
   rest: ``om.muon`` with ``scale_by_adaptive_muon`` as the Muon direction
@@ -174,12 +201,10 @@ def adaptive_muon(
     NVIDIA emerging-optimizers 0.3.0, ``AdaptiveMuon``;
     Megatron-Core ``optimizer="adaptive_muon"``
   """
-  _checks.check_range("adam_b1", options["adam_b1"], 0.0, 1.0)
+  _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
   arguments = settings.routed_arguments(locals())
   direction = scale_by_adaptive_muon(
-    **settings.forward(
-      scale_by_adaptive_muon, arguments, adamw_beta1=options["adam_b1"]
-    )
+    **settings.forward(scale_by_adaptive_muon, arguments, adamw_beta1=adam_b1)
   )
   return route(direction, learning_rate, **settings.forward(route, arguments))
 

@@ -41,7 +41,6 @@ import optax
 
 from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
-from optax_muon._src.base import signatures
 from optax_muon._src.base import types
 from optax_muon._src.base.trees import pieces_structure
 from optax_muon._src.kernels import dion_power
@@ -56,6 +55,7 @@ from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel import dion_distributed
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.views import layout as layout_lib
@@ -116,13 +116,6 @@ def _plans(sharding, tree, views):
 
 
 @built.recorded
-@signatures.with_signature(
-  "rank_fraction rank_multiple_of ef_decay power_iters qr_method epsilon"
-  " seed mu_dtype precision memory_budget scale_mode extra_scale_factor"
-  " match_adamw_update_rms adamw_beta1 dimension_numbers split_qkv"
-  " split_gate_up layout sharding",
-  scale_mode="unit_rms_norm",
-)
 def scale_by_dion(
   *,
   rank_fraction: types.Numeric = 1.0,
@@ -130,10 +123,20 @@ def scale_by_dion(
   ef_decay: types.Numeric = 0.95,
   power_iters: int = 1,
   qr_method: str = "qr",
-  epsilon: types.Numeric = 1e-8,
+  epsilon: types.Numeric = 1e-08,
   seed: int = 0,
+  mu_dtype: types.MomentumDtype = None,
+  precision: types.Precision = "highest",
+  memory_budget: int | None = None,
+  scale_mode: types.ScaleMode = "unit_rms_norm",
+  extra_scale_factor: types.Numeric | None = None,
+  match_adamw_update_rms: bool = False,
   adamw_beta1: types.Numeric = 0.9,
-  **options: Unpack[settings.DionDirectionOptions],
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  split_gate_up: types.PerLeaf = None,
+  layout: Any = None,
+  sharding: TensorParallel | None = None,
 ) -> optax.GradientTransformation:
   r"""Dion's direction: see the module docstring for the update.
 
@@ -183,21 +186,21 @@ def scale_by_dion(
     power_iters,
     seed,
     qr_method,
-    options["sharding"],
+    sharding,
   )
   _checks.check_range("ef_decay", ef_decay, 0.0, 1.0 + 1e-12)
   _checks.check_range("epsilon", epsilon, 0.0, float("inf"))
-  _checks.check_choice("precision", options["precision"], matrices.PRECISIONS)
+  _checks.check_choice("precision", precision, matrices.PRECISIONS)
   arguments, extra = settings.scaled_direction_arguments(locals())
-  mu_dtype = canonical_dtype("mu_dtype", options["mu_dtype"])
+  mu_dtype = canonical_dtype("mu_dtype", mu_dtype)
   budget = settings.execution_of(arguments).wave_bytes
   resolve_views = layout_lib.view_resolver(
     arguments["dimension_numbers"],
-    options["split_qkv"],
-    options["split_gate_up"],
+    split_qkv,
+    split_gate_up,
   )
 
-  plans = functools.partial(_plans, options["sharding"])
+  plans = functools.partial(_plans, sharding)
 
   def init_fn(params):
     momentum = jax.tree.map(
@@ -227,7 +230,7 @@ def scale_by_dion(
       ef_decay=ef_decay,
       power_iters=power_iters,
       epsilon=epsilon,
-      precision=options["precision"],
+      precision=precision,
       sketch_key=(
         jax.random.fold_in(jax.random.key(seed), 2**31 - 1)
         if qr_method == "rcqr"
@@ -288,20 +291,12 @@ def scale_by_dion(
     )
 
   shape = scaling.scale_by_shape(
-    options["scale_mode"], **settings.forward(scaling.scale_by_shape, arguments)
+    scale_mode, **settings.forward(scaling.scale_by_shape, arguments)
   )
   return optax.GradientTransformation(init_fn, update_fn)
 
 
 @built.recorded
-@signatures.with_signature(
-  "rank_fraction rank_multiple_of ef_decay power_iters qr_method epsilon"
-  " seed mu_dtype precision memory_budget scale_mode extra_scale_factor"
-  " match_adamw_update_rms dimension_numbers split_qkv split_gate_up layout"
-  " weight_decay weight_decay_mask labels state_memory_kind sharding",
-  rest=("scalar_kwargs", settings.ScalarOptimizerOptions),
-  scale_mode="unit_rms_norm",
-)
 def dion(
   learning_rate: optax.ScalarOrSchedule,
   *,
@@ -310,9 +305,24 @@ def dion(
   ef_decay: types.Numeric = 0.95,
   power_iters: int = 1,
   qr_method: str = "qr",
-  epsilon: types.Numeric = 1e-8,
+  epsilon: types.Numeric = 1e-08,
   seed: int = 0,
-  **options: Unpack[settings.DionOptions],
+  mu_dtype: types.MomentumDtype = None,
+  precision: types.Precision = "highest",
+  memory_budget: int | None = None,
+  scale_mode: types.ScaleMode = "unit_rms_norm",
+  extra_scale_factor: types.Numeric | None = None,
+  match_adamw_update_rms: bool = False,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  split_gate_up: types.PerLeaf = None,
+  layout: Any = None,
+  weight_decay: types.Numeric = 0.0,
+  weight_decay_mask: types.PerLeaf = None,
+  labels: types.PerLeaf = None,
+  state_memory_kind: types.MemoryKind | None = None,
+  sharding: TensorParallel | None = None,
+  **scalar_kwargs: Unpack[settings.ScalarOptimizerOptions],
 ) -> optax.GradientTransformation:
   r"""Dion for the matrices, AdamW for the rest: ``om.muon``'s routing with
   ``scale_by_dion`` as the direction;

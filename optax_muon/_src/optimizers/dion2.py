@@ -34,7 +34,6 @@ import optax
 
 from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
-from optax_muon._src.base import signatures
 from optax_muon._src.base import types
 from optax_muon._src.base.trees import pieces_structure
 from optax_muon._src.kernels import dion2_selection as selection
@@ -44,6 +43,7 @@ from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel.tensor_parallel import EXACT_MODES
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.views import layout as layout_lib
 
@@ -79,23 +79,29 @@ def _check_selection(fraction, ef_decay, sharding, selection_scope) -> None:
 
 
 @built.recorded
-@signatures.with_signature(
-  "fraction ef_decay normalize_neurons beta2 mu_dtype coefficients steps"
-  " precision method scale_mode extra_scale_factor match_adamw_update_rms"
-  " adamw_beta1 dimension_numbers split_qkv split_gate_up preconditioning"
-  " layout memory_budget sharding selection_scope",
-  coefficients="polar_express_dion",
-  scale_mode="unit_rms_norm",
-)
 def scale_by_dion2(
   *,
   fraction: types.Numeric = 0.25,
   ef_decay: types.Numeric = 0.95,
   normalize_neurons: bool = False,
   beta2: types.Numeric = 0.95,
+  mu_dtype: types.MomentumDtype = None,
+  coefficients: types.Coefficients = "polar_express_dion",
+  steps: types.Steps = 5,
+  precision: types.Precision = "highest",
+  method: types.Method = "standard",
+  scale_mode: types.ScaleMode = "unit_rms_norm",
+  extra_scale_factor: types.Numeric | None = None,
+  match_adamw_update_rms: bool = False,
   adamw_beta1: types.Numeric = 0.9,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  split_gate_up: types.PerLeaf = None,
+  preconditioning: types.Preconditioning = "frobenius",
+  layout: Any = None,
+  memory_budget: int | None = None,
+  sharding: TensorParallel | None = None,
   selection_scope: str = "local",
-  **options: Unpack[settings.Dion2DirectionOptions],
 ) -> optax.GradientTransformation:
   r"""Dion2's direction (NorDion2's with ``normalize_neurons``): see the
   module docstring for the update.
@@ -134,25 +140,25 @@ def scale_by_dion2(
     Ahn et al., `Dion2 <https://arxiv.org/abs/2512.16928>`_, 2025;
     microsoft/dion ``dion/dion2.py``, ``dion/nordion2.py``
   """
-  _check_selection(fraction, ef_decay, options["sharding"], selection_scope)
+  _check_selection(fraction, ef_decay, sharding, selection_scope)
   _checks.check_range("beta2", beta2, 0.0, 1.0)
   arguments, extra = settings.scaled_direction_arguments(locals())
-  mu_dtype = canonical_dtype("mu_dtype", options["mu_dtype"])
+  mu_dtype = canonical_dtype("mu_dtype", mu_dtype)
   step = dion2_step.Dion2Step(
     fraction=fraction,
     ef_decay=ef_decay,
     normalize_neurons=normalize_neurons,
     beta2=beta2,
-    scale_mode=options["scale_mode"],
+    scale_mode=scale_mode,
     extra=extra,
-    sharding=None if selection_scope == "global" else options["sharding"],
+    sharding=None if selection_scope == "global" else sharding,
     solver=settings.solver_of(arguments),
-    memory_budget=options["memory_budget"],
+    memory_budget=memory_budget,
   )
   resolve_views = layout_lib.view_resolver(
     arguments["dimension_numbers"],
-    options["split_qkv"],
-    options["split_gate_up"],
+    split_qkv,
+    split_gate_up,
   )
 
   def init_fn(params):
@@ -203,33 +209,33 @@ def scale_by_dion2(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-# dion2's and nordion2's keywords after their first own ones, and how their
-# signatures differ from muon's: AdamW's keywords in **scalar_kwargs,
-# microsoft/dion's defaults (settings.DIFFERENT_DEFAULTS)
-_OPTIMIZER_ORDER = (
-  " mu_dtype coefficients steps precision method scale_mode"
-  " extra_scale_factor match_adamw_update_rms dimension_numbers split_qkv"
-  " split_gate_up preconditioning layout memory_budget weight_decay"
-  " weight_decay_mask labels state_memory_kind sharding selection_scope"
-)
-_OPTIMIZER_SIGNATURE: dict[str, Any] = dict(
-  rest=("scalar_kwargs", settings.ScalarOptimizerOptions),
-  coefficients="polar_express_dion",
-  scale_mode="unit_rms_norm",
-)
-
-
 @built.recorded
-@signatures.with_signature(
-  "fraction ef_decay" + _OPTIMIZER_ORDER, **_OPTIMIZER_SIGNATURE
-)
 def dion2(
   learning_rate: optax.ScalarOrSchedule,
   *,
   fraction: types.Numeric = 0.25,
   ef_decay: types.Numeric = 0.95,
+  mu_dtype: types.MomentumDtype = None,
+  coefficients: types.Coefficients = "polar_express_dion",
+  steps: types.Steps = 5,
+  precision: types.Precision = "highest",
+  method: types.Method = "standard",
+  scale_mode: types.ScaleMode = "unit_rms_norm",
+  extra_scale_factor: types.Numeric | None = None,
+  match_adamw_update_rms: bool = False,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  split_gate_up: types.PerLeaf = None,
+  preconditioning: types.Preconditioning = "frobenius",
+  layout: Any = None,
+  memory_budget: int | None = None,
+  weight_decay: types.Numeric = 0.0,
+  weight_decay_mask: types.PerLeaf = None,
+  labels: types.PerLeaf = None,
+  state_memory_kind: types.MemoryKind | None = None,
+  sharding: TensorParallel | None = None,
   selection_scope: str = "local",
-  **options: Unpack[settings.Dion2Options],
+  **scalar_kwargs: Unpack[settings.ScalarOptimizerOptions],
 ) -> optax.GradientTransformation:
   r"""Dion2 for the matrices, AdamW for the rest: ``om.muon``'s routing with
   ``scale_by_dion2`` as the direction;
@@ -280,17 +286,33 @@ def dion2(
 
 
 @built.recorded
-@signatures.with_signature(
-  "fraction beta beta2" + _OPTIMIZER_ORDER, **_OPTIMIZER_SIGNATURE
-)
 def nordion2(
   learning_rate: optax.ScalarOrSchedule,
   *,
   fraction: types.Numeric = 0.25,
   beta: types.Numeric = 0.95,
   beta2: types.Numeric = 0.95,
+  mu_dtype: types.MomentumDtype = None,
+  coefficients: types.Coefficients = "polar_express_dion",
+  steps: types.Steps = 5,
+  precision: types.Precision = "highest",
+  method: types.Method = "standard",
+  scale_mode: types.ScaleMode = "unit_rms_norm",
+  extra_scale_factor: types.Numeric | None = None,
+  match_adamw_update_rms: bool = False,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  split_gate_up: types.PerLeaf = None,
+  preconditioning: types.Preconditioning = "frobenius",
+  layout: Any = None,
+  memory_budget: int | None = None,
+  weight_decay: types.Numeric = 0.0,
+  weight_decay_mask: types.PerLeaf = None,
+  labels: types.PerLeaf = None,
+  state_memory_kind: types.MemoryKind | None = None,
+  sharding: TensorParallel | None = None,
   selection_scope: str = "local",
-  **options: Unpack[settings.Dion2Options],
+  **scalar_kwargs: Unpack[settings.ScalarOptimizerOptions],
 ) -> optax.GradientTransformation:
   r"""NorDion2 for the matrices, AdamW for the rest: ``dion2`` selecting
   output neurons, with ``ef_decay = beta``, each selected neuron divided by

@@ -1,32 +1,43 @@
 """The ready-made chains: ``scale_by_muon`` and ``muon``."""
 
-from typing import Unpack
+from typing import Any
 
 import optax
 
 from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
-from optax_muon._src.base import signatures
 from optax_muon._src.base import types
 from optax_muon._src.optimizers import registry
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import momentum as momentum_lib
 from optax_muon._src.transforms import muon_direction
 
 
 @built.recorded
-@signatures.with_signature(
-  "beta nesterov momentum_style mu_dtype coefficients steps precision method"
-  " scale_mode extra_scale_factor match_adamw_update_rms adamw_beta1"
-  " dimension_numbers split_qkv sharding preconditioning layout split_gate_up"
-  " memory_budget state_memory_kind"
-)
 def scale_by_muon(
   *,
+  beta: types.Numeric = 0.95,
+  nesterov: bool = True,
+  momentum_style: types.MomentumStyle = "ema",
+  mu_dtype: types.MomentumDtype = None,
+  coefficients: types.Coefficients = "quintic",
+  steps: types.Steps = 5,
+  precision: types.Precision = "highest",
+  method: types.Method = "standard",
+  scale_mode: types.ScaleMode = "spectral",
+  extra_scale_factor: types.Numeric | None = None,
+  match_adamw_update_rms: bool = False,
   adamw_beta1: types.Numeric = 0.9,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  sharding: TensorParallel | None = None,
+  preconditioning: types.Preconditioning = "frobenius",
+  layout: Any = None,
+  split_gate_up: types.PerLeaf = None,
+  memory_budget: int | None = None,
   state_memory_kind: types.MemoryKind | None = None,
-  **options: Unpack[settings.MuonDirectionOptions],
 ) -> optax.GradientTransformation:
   r"""Muon's direction: momentum, orthogonalized, scaled by shape.
 
@@ -88,19 +99,18 @@ def scale_by_muon(
   # Checked here under this function's names (momentum's ``style`` is our
   # ``momentum_style``), so that an error names the argument the user passed.
   _checks.check_choice(
-    "momentum_style", options["momentum_style"], momentum_lib.MOMENTUM_STYLES
+    "momentum_style", momentum_style, momentum_lib.MOMENTUM_STYLES
   )
   arguments, extra = settings.scaled_direction_arguments(locals())
-  mu_dtype = options["mu_dtype"]
   momentum_lib.canonical_dtype("mu_dtype", mu_dtype, quantized=True)
   # one of each settings object, shared by the pieces: the plan they read
   # (parallel.plan) is then decided once per leaf
   orthogonalization = settings.orthogonalization_of(arguments)
   if orthogonalization.execution.streams(mu_dtype):  # momentum in its wave
     direction = muon_direction.momentum_orthogonalize(
-      options["beta"],
-      nesterov=options["nesterov"],
-      style=options["momentum_style"],
+      beta,
+      nesterov=nesterov,
+      style=momentum_style,
       dtype=mu_dtype,
       solver=orthogonalization.solver,
       views=orthogonalization.views,
@@ -112,7 +122,7 @@ def scale_by_muon(
     )
   # optax.chain(direction, shape, scale) with chain(momentum, orthogonalize)'s
   # state kept flat: (MomentumState, EmptyState, EmptyState, EmptyState)
-  shape = orthogonalization.scale_by_shape(options["scale_mode"])
+  shape = orthogonalization.scale_by_shape(scale_mode)
   scale = optax.scale(extra)
 
   def init_fn(params):
@@ -128,17 +138,38 @@ def scale_by_muon(
 
 
 @built.recorded
-@signatures.with_signature(
-  "beta nesterov momentum_style mu_dtype coefficients steps precision method"
-  " scale_mode extra_scale_factor match_adamw_update_rms dimension_numbers"
-  " split_qkv sharding weight_decay weight_decay_mask labels scalar_optimizer"
-  " adam_learning_rate adam_b1 adam_b2 adam_eps adam_weight_decay"
-  " adam_weight_decay_mask preconditioning layout split_gate_up memory_budget"
-  " state_memory_kind"
-)
 def muon(
   learning_rate: optax.ScalarOrSchedule,
-  **options: Unpack[settings.MuonOptions],
+  *,
+  beta: types.Numeric = 0.95,
+  nesterov: bool = True,
+  momentum_style: types.MomentumStyle = "ema",
+  mu_dtype: types.MomentumDtype = None,
+  coefficients: types.Coefficients = "quintic",
+  steps: types.Steps = 5,
+  precision: types.Precision = "highest",
+  method: types.Method = "standard",
+  scale_mode: types.ScaleMode = "spectral",
+  extra_scale_factor: types.Numeric | None = None,
+  match_adamw_update_rms: bool = False,
+  dimension_numbers: types.PerLeaf = None,
+  split_qkv: types.PerLeaf = None,
+  sharding: TensorParallel | None = None,
+  weight_decay: types.Numeric = 0.0,
+  weight_decay_mask: types.PerLeaf = None,
+  labels: types.PerLeaf = None,
+  scalar_optimizer: types.ScalarOptimizer = "adam",
+  adam_learning_rate: optax.ScalarOrSchedule | None = None,
+  adam_b1: types.Numeric = 0.9,
+  adam_b2: types.Numeric = 0.999,
+  adam_eps: types.Numeric = 1e-08,
+  adam_weight_decay: types.Numeric = 0.0,
+  adam_weight_decay_mask: types.PerLeaf = None,
+  preconditioning: types.Preconditioning = "frobenius",
+  layout: Any = None,
+  split_gate_up: types.PerLeaf = None,
+  memory_budget: int | None = None,
+  state_memory_kind: types.MemoryKind | None = None,
 ) -> optax.GradientTransformation:
   r"""Muon for the matrices, AdamW (or Lion) for everything else.
 
@@ -202,12 +233,12 @@ def muon(
   """
   # AdamW's beta1, checked under this function's name (it also sets the
   # RMS-matching factor, where scale_by_muon calls it adamw_beta1)
-  _checks.check_range("adam_b1", options["adam_b1"], 0.0, 1.0)
+  _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
   arguments = settings.routed_arguments(locals())
   direction = scale_by_muon(
     **settings.pick(settings.MuonDirectionOptions, arguments),
-    adamw_beta1=options["adam_b1"],
-    state_memory_kind=options["state_memory_kind"],
+    adamw_beta1=adam_b1,
+    state_memory_kind=state_memory_kind,
   )
   return route(
     direction,

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import optax
 
 from optax_muon._src.base import checks as _checks
-from optax_muon._src.base import signatures
 from optax_muon._src.base import types
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
+from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.views import layout as layout_lib
 
@@ -31,16 +31,24 @@ class PolarGradState(NamedTuple):
   momentum: Any
 
 
-@signatures.with_signature(
-  "beta nesterov momentum_style mu_dtype coefficients steps precision"
-  " extra_scale_factor dimension_numbers layout memory_budget method"
-  " preconditioning split_qkv split_gate_up sharding",
-  nesterov=False,
-)
 def scale_by_polargrad(
   *,
+  beta: types.Numeric = 0.95,
+  nesterov: bool = False,
+  momentum_style: types.MomentumStyle = "ema",
+  mu_dtype: types.MomentumDtype = None,
+  coefficients: types.Coefficients = "quintic",
+  steps: types.Steps = 5,
+  precision: types.Precision = "highest",
   extra_scale_factor: types.Numeric | None = 1.0,
-  **options: Unpack[settings.PolarGradDirectionOptions],
+  dimension_numbers: types.PerLeaf = None,
+  layout: Any = None,
+  memory_budget: int | None = None,
+  method: types.Method = "standard",
+  preconditioning: types.Preconditioning = "frobenius",
+  split_qkv: types.PerLeaf = None,
+  split_gate_up: types.PerLeaf = None,
+  sharding: TensorParallel | None = None,
 ) -> optax.GradientTransformation:
   r"""PolarGrad's direction: ``⟨O, u⟩ · extra · O`` per matrix (see the
   module docstring).
@@ -65,11 +73,11 @@ def scale_by_polargrad(
   _checks.check_positive("extra_scale_factor", extra_scale_factor)
   arguments = settings.direction_arguments(locals())
   dimension_numbers = arguments["dimension_numbers"]
-  canonical_dtype("mu_dtype", options["mu_dtype"], quantized=True)
+  canonical_dtype("mu_dtype", mu_dtype, quantized=True)
   momentum = settings.momentum_of(arguments)
   orthogonalize = settings.orthogonalize_of(arguments)
   resolve_views = layout_lib.view_resolver(
-    dimension_numbers, options["split_qkv"], options["split_gate_up"]
+    dimension_numbers, split_qkv, split_gate_up
   )
 
   def init_fn(params):
@@ -101,19 +109,30 @@ def scale_by_polargrad(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-@signatures.with_signature(
-  "beta nesterov momentum_style mu_dtype coefficients steps precision"
-  " extra_scale_factor dimension_numbers layout weight_decay"
-  " weight_decay_mask labels memory_budget state_memory_kind method"
-  " preconditioning split_qkv split_gate_up sharding",
-  rest=("scalar_kwargs", settings.ScalarOptimizerOptions),
-  nesterov=False,
-)
 def polargrad(
   learning_rate: optax.ScalarOrSchedule,
   *,
+  beta: types.Numeric = 0.95,
+  nesterov: bool = False,
+  momentum_style: types.MomentumStyle = "ema",
+  mu_dtype: types.MomentumDtype = None,
+  coefficients: types.Coefficients = "quintic",
+  steps: types.Steps = 5,
+  precision: types.Precision = "highest",
   extra_scale_factor: types.Numeric | None = 1.0,
-  **options: Unpack[settings.PolarGradOptions],
+  dimension_numbers: types.PerLeaf = None,
+  layout: Any = None,
+  weight_decay: types.Numeric = 0.0,
+  weight_decay_mask: types.PerLeaf = None,
+  labels: types.PerLeaf = None,
+  memory_budget: int | None = None,
+  state_memory_kind: types.MemoryKind | None = None,
+  method: types.Method = "standard",
+  preconditioning: types.Preconditioning = "frobenius",
+  split_qkv: types.PerLeaf = None,
+  split_gate_up: types.PerLeaf = None,
+  sharding: TensorParallel | None = None,
+  **scalar_kwargs: Unpack[settings.ScalarOptimizerOptions],
 ) -> optax.GradientTransformation:
   r"""PolarGrad for the matrices, AdamW for the rest: ``om.muon``'s routing
   with ``scale_by_polargrad`` as the direction;
