@@ -459,3 +459,20 @@ def test_at_scale_fsdp_on_the_matrix_axis_halves_each_devices_work():
   homed, replicated = run("matrix"), run("none")
   for key in ("ns_tflop", "cost_analysis_tflop"):
     assert homed[key] / replicated[key] == pytest.approx(0.5, rel=0.1), key
+
+
+def test_homes_balance_reports_each_data_ranks_load():
+  records = json.loads(_run("homes_balance.py", "--json"))
+  # Llama-3-70B's 80 layers: 10 a rank over 8 data ranks; over 64, two slots
+  # a rank, real on the first 40 (mean 80/64 = 1.25), 48 of 128 padding
+  (at_64,) = records["llama3-70b, 64 chips (FSDP 8 × TP 8)"]
+  (at_512,) = records["llama3-70b, 512 chips (FSDP 64 × TP 8)"]
+  assert (at_64["ranks"], at_64["max_over_mean"], at_64["padding"]) == (
+    8,
+    1.0,
+    0.0,
+  )
+  assert (at_512["ranks"], at_512["padding"]) == (64, 0.375)
+  assert at_512["max_over_mean"] == pytest.approx(2 / 1.25)
+  # the routed experts are sharded over the expert axis itself: no homes
+  assert records["deepseek-v3, v5p-64 (EP 8 × TP 8)"] == []

@@ -18,6 +18,7 @@ from optax_muon._src.inference.table import render
 from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import torch_muon as torch_muon_lib
 from optax_muon._src.optimizers.settings import adam_b1_of
+from optax_muon._src.parallel import balance
 from optax_muon._src.parallel import plan as plan_lib
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
 from optax_muon._src.parallel.execution import Execution
@@ -194,7 +195,7 @@ def describe(
     float(extra) * factor
     for factor in plan_of.get(path, plan_lib.unsharded(view)).scales(scale_mode)
   )
-  return render(
+  table = render(
     rows,
     scales_of,
     moment2_of=None
@@ -208,6 +209,16 @@ def describe(
       else ("—", "—")
     ),
   )
+  if sharding is None or not muon_pairs:
+    return table
+  # how evenly stacks homed over a data axis share out the work
+  loads = balance.rank_loads(
+    sharding,
+    [view_of[p] for p, _ in muon_pairs],
+    sharding.leaf_specs(muon_only),
+    int(steps),
+  )
+  return RoutingTable("\n".join([table, *(load.line() for load in loads)]))
 
 
 def _is_default(value, default) -> bool:
