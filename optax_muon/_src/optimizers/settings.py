@@ -196,6 +196,8 @@ MEMBER_GROUPS: dict[str, Any] = {
   "nordion2": Dion2Options,
   "scale_by_dion": DionDirectionOptions,
   "dion": DionOptions,
+  # the orthogonalization alone takes the iteration's keywords too
+  "orthogonalize": NewtonSchulzOptions,
 }
 SCALAR_KWARGS = ("polargrad", "dion2", "nordion2", "dion")
 
