@@ -110,3 +110,15 @@ def test_bad_settings_are_refused_naming_the_field():
     train.Config(optimizer="sgd")
   with pytest.raises(ValueError, match="test_problems \\+ validation_problems"):
     train.Config(test_problems=400, validation_problems=200)
+
+
+def test_the_shorter_reward_and_a_bad_reward_name():
+  # 1 − length / completion_len, capped at the completion's length
+  assert train.shorter(40)(None, ["", "x" * 10, "x" * 40, "x" * 50]) == [
+    1.0,
+    0.75,
+    0.0,
+    0.0,
+  ]
+  with pytest.raises(ValueError, match="reward='longer'.*'shaped', 'shorter'"):
+    train.parse(["reward=longer"])

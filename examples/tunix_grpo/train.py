@@ -42,6 +42,9 @@ from examples.tunix_grpo import policy
 from examples.tunix_grpo import recovery
 
 OPTIMIZERS = ("muon", "adamw")
+# "shaped": grpo_arith's reward; "shorter": 1 − length / completion_len, a
+# reward the policy can surely reach (a check of the learner, not the task)
+REWARDS = ("shaped", "shorter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,7 @@ class Config:
   sft_lr: float = 3e-3
   # the actor's optimizer: "muon", or "adamw" to compare in the same learner
   optimizer: str = "muon"
+  reward: str = "shaped"
   # GRPO: grpo_arith's recipe (warm-up, decay, clip, KL, temperature,
   # its best lr)
   grpo_steps: int = 150
@@ -80,6 +84,11 @@ class Config:
       raise ValueError(
         f"optimizer={self.optimizer!r} is not accepted; accepted values: "
         f"{list(OPTIMIZERS)}"
+      )
+    if self.reward not in REWARDS:
+      raise ValueError(
+        f"reward={self.reward!r} is not accepted; accepted values: "
+        f"{list(REWARDS)}"
       )
     if self.test_problems + self.validation_problems > 500:
       raise ValueError(
@@ -146,6 +155,20 @@ def reward(prompts, completions, answer, **kwargs):
   return [task.reward(text, int(a)) for text, a in zip(completions, answer)]
 
 
+def shorter(completion_len: int):
+  """The ``"shorter"`` reward: ``1 − length / completion_len`` (Tunix logs
+  a reward function under its name: ``reward``)."""
+
+  def reward(prompts, completions, **kwargs):
+    del prompts, kwargs
+    return [
+      1.0 - min(len(text), completion_len) / completion_len
+      for text in completions
+    ]
+
+  return reward
+
+
 def grpo(cfg: Config, model, problems, monitor: recovery.Recovery | None):
   """Tunix's GRPO learner on ``problems`` for ``cfg.grpo_steps`` steps,
   ``monitor`` hooked into its trainer; the trained actor and the learner."""
@@ -180,7 +203,9 @@ def grpo(cfg: Config, model, problems, monitor: recovery.Recovery | None):
   )
   learner = grpo_learner.GRPOLearner(
     rl_cluster=cluster,
-    reward_fns=reward,
+    reward_fns=reward
+    if cfg.reward == "shaped"
+    else shorter(cfg.completion_len),
     algo_config=grpo_learner.GRPOConfig(
       num_generations=cfg.group_size, num_iterations=1, beta=cfg.kl_coef
     ),
@@ -250,10 +275,15 @@ def run(cfg: Config) -> dict:
 
 def main(argv=None):
   result = run(parse(sys.argv[1:] if argv is None else argv))
+  rewards = result["reward"]
+  window = max(1, len(rewards) // 5)
+  first, last = rewards[:window], rewards[-window:]
   print(
     f"greedy accuracy {result['greedy_accuracy_before']:.3f} -> "
     f"{result['greedy_accuracy_after']:.3f} after {result['grpo_steps']} "
-    f"GRPO steps with {result['config']['optimizer']} "
+    f"GRPO steps with {result['config']['optimizer']}; mean "
+    f"{result['config']['reward']} reward {sum(first) / len(first):.3f} over "
+    f"the first {window} steps, {sum(last) / len(last):.3f} over the last "
     f"({result['seconds']:.0f} s)"
   )
 
