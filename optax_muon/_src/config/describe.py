@@ -74,7 +74,11 @@ def describe(
   the sharding, as ``om.muon`` reads them without ``sharding=``), the
   table says each Muon leaf's tensor-parallel mode and
   why: under ``mode="auto"`` each allowed mode's modeled time (the cost
-  model of ``optax_muon._src.parallel.cost``, for the params' dtype).
+  model of ``optax_muon._src.parallel.cost``, for the params' dtype); and
+  under the table, for each data axis that stacks are homed over (FSDP),
+  how evenly its ranks share the Newton–Schulz work (``max ÷ mean`` of
+  their FLOPs on real matrices, and the share of the homed slots that are
+  zero padding: ``optax_muon._src.parallel.balance``).
 
   Args:
     params: the parameter tree (arrays, shape structs or ``nnx.State``).
