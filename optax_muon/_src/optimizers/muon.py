@@ -162,7 +162,7 @@ def muon(
   adam_learning_rate: optax.ScalarOrSchedule | None = None,
   adam_b1: types.Numeric = 0.9,
   adam_b2: types.Numeric = 0.999,
-  adam_eps: types.Numeric = 1e-08,
+  adam_eps: types.Numeric = 1e-8,
   adam_weight_decay: types.Numeric = 0.0,
   adam_weight_decay_mask: types.PerLeaf = None,
   preconditioning: types.Preconditioning = "frobenius",
