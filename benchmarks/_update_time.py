@@ -21,9 +21,11 @@ from optax_muon._src.views import layout
 STEPS = 5  # om.muon's default
 
 
-def muon_leaves(flat: dict, mesh, distribute_over=None):
+def muon_leaves(flat: dict, mesh, distribute_over=None, mode="auto"):
   """The Muon leaves of an at_scale tree as the cost model sees them:
-  ``(views, specs, tp)``, ``tp`` a ``TensorParallel(mode="auto")``."""
+  ``(views, specs, tp)``, ``tp`` a ``TensorParallel`` in ``mode`` (``auto``
+  needs the mesh's device rates; another mode plans on an ``AbstractMesh``
+  too)."""
   muon = {k: v for k, v in flat.items() if v[1] == "muon"}
   tree = {
     k: jax.ShapeDtypeStruct(shape, "float32")
@@ -35,7 +37,7 @@ def muon_leaves(flat: dict, mesh, distribute_over=None):
     for k, (shape, _, _) in muon.items()
   }
   tp = om.TensorParallel(
-    mesh, "model", "auto", specs=specs, distribute_over=distribute_over
+    mesh, "model", mode, specs=specs, distribute_over=distribute_over
   )
   views = [v for _, _, v in layout.view_resolver(dims)(tree)]
   return views, tp.leaf_specs(tree), tp

@@ -19,16 +19,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+from _update_time import muon_leaves  # noqa: E402
 from at_scale import deepseek_tree  # noqa: E402
 from at_scale import llama_tree  # noqa: E402
-from at_scale import nest  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import optax_muon as om  # noqa: E402
 from optax_muon._src.parallel import balance  # noqa: E402
-from optax_muon._src.views import layout  # noqa: E402
 
 CASES = {
   "llama3-70b, 64 chips (FSDP 8 × TP 8)": ("llama3-70b", (8, 8)),
@@ -44,25 +39,9 @@ def loads(model: str, mesh_shape) -> list[balance.RankLoads]:
     if model == "deepseek-v3"
     else llama_tree(model, True, fsdp="matrix")
   )
-  muon = {k: v for k, v in flat.items() if v[1] == "muon"}
-  params = nest(
-    {k: jax.ShapeDtypeStruct(s, jnp.bfloat16) for k, (s, _, _) in muon.items()}
-  )
-  dims = nest(
-    {
-      k: optax.contrib.MuonDimensionNumbers(len(s) - 2, len(s) - 1)
-      for k, (s, _, _) in muon.items()
-    }
-  )
   mesh = jax.sharding.AbstractMesh(mesh_shape, ("data", "model"))
-  tp = om.TensorParallel(
-    mesh,
-    "model",
-    "allgather",
-    specs=nest({k: P(*v[2]) for k, v in muon.items()}),
-  )
-  views = [view for _, _, view in layout.view_resolver(dims)(params)]
-  return balance.rank_loads(tp, views, tp.leaf_specs(params), 5)
+  views, specs, tp = muon_leaves(flat, mesh, mode="allgather")
+  return balance.rank_loads(tp, views, specs, 5)
 
 
 def main(argv):

@@ -180,12 +180,15 @@ def describe(
     sharding, [x for _, x in muon_pairs], [view_of[p] for p, _ in muon_pairs]
   )
   plan_of = {}
+  loads = []
   if sharding is not None:
+    muon_views = [view_of[p] for p, _ in muon_pairs]
+    specs = sharding.leaf_specs(muon_only)
     auto_limit = Execution(memory_budget=memory_budget).auto_limit
     plans = plan_lib.plan_leaves(
       sharding,
-      [view_of[p] for p, _ in muon_pairs],
-      sharding.leaf_specs(muon_only),
+      muon_views,
+      specs,
       [jnp.dtype(x.dtype).itemsize for _, x in muon_pairs],
       steps,
       precision,
@@ -193,6 +196,8 @@ def describe(
       auto_limit,
     )
     plan_of = {path: p for (path, _), p in zip(muon_pairs, plans)}
+    # how evenly stacks homed over a data axis share out the work
+    loads = balance.rank_loads(sharding, muon_views, specs, int(steps))
   # each matrix's scale as the optimizer applies it: from the shape it is
   # orthogonalized at (each shard's under blockwise)
   scales_of = lambda path, view: tuple(
@@ -213,15 +218,8 @@ def describe(
       else ("—", "—")
     ),
   )
-  if sharding is None or not muon_pairs:
+  if not loads:
     return table
-  # how evenly stacks homed over a data axis share out the work
-  loads = balance.rank_loads(
-    sharding,
-    [view_of[p] for p, _ in muon_pairs],
-    sharding.leaf_specs(muon_only),
-    int(steps),
-  )
   return RoutingTable("\n".join([table, *(load.line() for load in loads)]))
 
 
