@@ -190,6 +190,16 @@ def _flops(name: str, bodies: dict, types: dict, memo: dict) -> int:
   return total
 
 
+def matmul_flops(hlo: str) -> int:
+  """Matmul FLOPs of one run of a compiled module, read from its text (loops
+  times their trip counts): for the update, its Newton–Schulz work as the
+  program does it, beside what the cost model counts."""
+  bodies, entry = _computations(hlo)
+  if entry is None:
+    return 0
+  return _flops(entry, bodies, _types(bodies), {})
+
+
 def _line_flops(line: str, bodies: dict, types: dict, memo: dict) -> int:
   total = _matmul_flops(line, types)
   condition = re.search(r"condition=%?([\w.\-]+)", line)

@@ -90,6 +90,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _hlo import collective_bytes  # noqa: E402
 from _hlo import host_bytes  # noqa: E402
+from _hlo import matmul_flops  # noqa: E402
 from _hlo import overlap  # noqa: E402
 from _timing import emit  # noqa: E402
 from _update_time import formula  # noqa: E402
@@ -615,6 +616,10 @@ def measure(
     record["host_argument_gib"], record["host_output_gib"] = (
       b / GIB for b in host_bytes(hlo)
     )
+  # the program's own matmuls, loops times their trip counts (its
+  # Newton–Schulz as grouped and padded, beside the formula's ns_tflop);
+  # None where none is read: the TPU compiler writes them as convolutions
+  record["hlo_tflop"] = matmul_flops(hlo) / 1e12 or None
   kinds = collective_bytes(hlo)
   record["collective_gib"] = {k: v / GIB for k, v in kinds.items() if v}
   record["collective_total_gib"] = sum(kinds.values()) / GIB

@@ -394,6 +394,11 @@ def test_at_scale_compiles_every_mode_on_abstract_shapes():
     assert record["temp_gib"] > 0 and record["params_gib"] > 0
     assert record["fits"]["80GB"]
   assert records["blockwise"]["collective_total_gib"] == 0
+  # the formula's Newton–Schulz is the program's (its matmuls read from the
+  # compiled text, loops times their trip counts) where nothing is padded
+  for mode in ("blockwise", "duplicated", "distributed", "allgather"):
+    record = records[mode]
+    assert record["hlo_tflop"] == pytest.approx(record["ns_tflop"]), mode
   # a layer to each rank: 2 all-to-alls of 1/N of each matrix, 2/N of
   # duplicated's gathers (no zero padding: 8 layers over 8 ranks)
   # (duplicated's two scalar all-reduces a matrix, its max and norm, add

@@ -382,3 +382,68 @@ def test_a_stacks_part_divides_it_when_that_loses_at_most_half(
   count, fit, unit, part
 ):
   assert waves._part_size(count, fit, unit) == part
+
+
+@pytest.mark.parametrize(
+  "slice_items, count, ranks, peak, split",
+  [
+    # by hand, each part padded to whole matrices for every rank: three
+    # stacks of 10 layers on 8 ranks, 2 a rank at a time: parts of 5
+    # layers (15 matrices) are 2 + 2 a rank, where alone each stack is 2
+    (3, 10, 8, 2, (5, 4)),
+    (3, 10, 8, 1, (2, 5)),  # 1 a rank at a time: 5 parts of 6 matrices
+    (3, 2, 8, 1, (2, 1)),  # 2 layers of 3 stacks: one part, 1 a rank
+    (3, 5, 4, 2, (2, 5)),  # 2 + 2 + 1 (4 parts of 1 would tie: fewer)
+    (9, 4, 4, 2, None),  # a single slice is 3 a rank
+  ],
+)
+def test_stacks_split_together_in_the_parts_leaving_each_rank_least(
+  slice_items, count, ranks, peak, split
+):
+  from optax_muon._src.parallel import allgather
+
+  assert allgather.merged_part(slice_items, count, ranks, peak) == split
+
+
+@pytest.mark.parametrize("pipelined, per_rank", [(True, 5), (False, 6)])
+def test_stacks_that_each_leave_a_remainder_are_orthogonalized_together(
+  pipelined, per_rank, monkeypatch
+):
+  # three 5-layer stacks of one wide shape (an MLP's gate, up and down) on
+  # TP 4, a budget of 1.5 matrices: alone each is ceil(5/4) = 2 matrices a
+  # rank, 6 in all; split together in parts of 2 layers, 2 + 2 + 1 = 5
+  # (one wave of everything: ceil(15/4) = 4). Not where the parts are not
+  # pipelined (TPUs: see allgather._merged). Exact against one wave.
+  from optax_muon._src.parallel import allgather
+
+  monkeypatch.setattr(allgather, "_pipelines", lambda tp: pipelined)
+  mesh = _mesh((2, 4))
+  keys = jax.random.split(jax.random.key(5), 3)
+  params = {
+    "gate": normal(keys[0], (5, 32, 64)),
+    "up": normal(keys[1], (5, 32, 64)),
+    "down": normal(keys[2], (5, 64, 32)),
+  }
+  specs = {
+    "gate": P(None, None, "model"),
+    "up": P(None, None, "model"),
+    "down": P(None, "model", None),
+  }
+  sharded = _put(params, specs, mesh)
+  build = lambda budget: om.orthogonalize(
+    dimension_numbers="leading",
+    sharding=om.TensorParallel(mesh, mode="allgather", specs=specs),
+    memory_budget=budget,
+  )
+  budget = 3 * waves.newton_schulz_bytes(32, 64) // 2
+  _close(_update(build(budget), sharded), _update(build(1 << 40), sharded))
+  flops = {
+    b: _hlo.matmul_flops(
+      jax.jit(build(b).update)
+      .lower(sharded, optax.EmptyState())
+      .compile()
+      .as_text()
+    )
+    for b in (budget, 1 << 40)
+  }
+  assert flops[budget] / flops[1 << 40] == pytest.approx(per_rank / 4)
