@@ -161,7 +161,11 @@ def _types(bodies: dict) -> dict:
 
 def _matmul_flops(line: str, types: dict) -> int:
   """FLOPs of a ``dot``: twice the result's entries times the contracted
-  length (read off the left operand's type)."""
+  length (read off the left operand's type); of a TPU compiler's matmul
+  written as a ``convolution``, the kernel's input features (``i`` of its
+  ``dim_labels``), the window a batch trick (one tap per output)."""
+  if " convolution(" in line:
+    return _convolution_flops(line, types)
   if " dot(" not in line:
     return 0
   result, _, rest = line.partition("=")[2].partition(" dot(")
@@ -175,6 +179,19 @@ def _matmul_flops(line: str, types: dict) -> int:
     return 0
   contracted = int(np.prod([lhs[a] for a in axes]))
   return 2 * int(np.prod(_dims(result))) * contracted
+
+
+def _convolution_flops(line: str, types: dict) -> int:
+  result, _, rest = line.partition("=")[2].partition(" convolution(")
+  operands = re.match(r"\s*%?([\w.\-]+),\s*%?([\w.\-]+)\)", rest)
+  labels = re.search(r"dim_labels=\w+_(\w+)->", rest)
+  if not operands or not labels:
+    return 0
+  kernel = _dims(types.get(operands.group(2), ""))
+  at = labels.group(1).find("i")
+  if at < 0 or at >= len(kernel):
+    return 0
+  return 2 * int(np.prod(_dims(result))) * kernel[at]
 
 
 def _flops(name: str, bodies: dict, types: dict, memo: dict) -> int:

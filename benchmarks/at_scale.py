@@ -678,12 +678,14 @@ MODELED = (
   "over each one's group at its link's peak bandwidth, or the network's "
   "(InfiniBand, DCN) where the group spans nodes (om.KNOWN_RATES), nothing "
   "overlapped. "
-  "cost_analysis counts a loop's body once (the step and wave loops), so it "
-  "is a floor. auto: each leaf's mode of least modeled time. collective ms "
+  "program: the compiled program's matmul FLOPs read from its text, loops "
+  "times their trip counts (benchmarks/_hlo.py matmul_flops; the JSON's "
+  "cost_analysis_tflop counts a loop's body once, a floor). auto: each "
+  "leaf's mode of least modeled time. collective ms "
   "exposed / all: read from the compiled schedule, an asynchronous "
   "collective hidden up to the matmul time between its start and done, at "
   "the same rates (benchmarks/_hlo.py overlap). share of a step: (the "
-  "Newton-Schulz time + the exposed collective time) / (6 x params x "
+  "program's Newton-Schulz time + the exposed collective time) / (6 x params x "
   "--tokens over the devices at the part's bf16 peak x --mfu), a model."
 )
 
@@ -764,7 +766,7 @@ def gib(x: float) -> str:
 
 def _flops_cell(r: dict) -> str:
   formula_tflop = f"{r['ns_tflop']:.3g}" if "ns_tflop" in r else "—"
-  compiled = r.get("cost_analysis_tflop")
+  compiled = r.get("hlo_tflop")
   return f"{formula_tflop} / {'—' if compiled is None else f'{compiled:.3g}'}"
 
 
@@ -785,7 +787,7 @@ def table(records: dict, part: str = "80GB") -> str:
     "total",
     f"fits {part[:-2]} GB ({PARTS_GIB[part]:.1f} GiB)",
     "collectives (GiB, by kind)",
-    "NS TFLOP formula / cost_analysis",
+    "NS TFLOP formula / program",
     "modeled ms",
     "collective ms exposed / all",
     "share of a step",
@@ -844,7 +846,9 @@ def add_step_share(record: dict, flat, mesh, args) -> None:
   """The optimizer's modeled share of a training step: (its Newton–Schulz
   time + the collective time the compiled schedule leaves exposed) ÷ the
   step's model compute, ``6 · params · tokens`` over the mesh's devices at
-  the part's bf16 peak × ``--mfu``. A model at peak rates, not a profile."""
+  the part's bf16 peak × ``--mfu``. The Newton–Schulz is the compiled
+  program's matmul FLOPs (``hlo_tflop``; the formula's where none were
+  read) at the part's rate. A model at peak rates, not a profile."""
   schedule = record.get("schedule")
   rates = rates_of(mesh)
   if not schedule or rates is None or "ns_tflop" not in record:
@@ -852,7 +856,8 @@ def add_step_share(record: dict, flat, mesh, args) -> None:
   params = sum(math.prod(shape) for shape, _, _ in flat.values())
   devices = math.prod(mesh.shape.values())
   train_s = 6 * params * args.tokens / (devices * rates.bf16_flops * args.mfu)
-  ns_s = record["ns_tflop"] * 1e12 / rates.matmul_flops(args.precision)
+  tflop = record.get("hlo_tflop") or record["ns_tflop"]
+  ns_s = tflop * 1e12 / rates.matmul_flops(args.precision)
   optimizer_s = ns_s + schedule["exposed_ms"] / 1e3
   record.update(
     tokens=args.tokens,

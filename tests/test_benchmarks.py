@@ -341,6 +341,11 @@ def test_at_scale_reads_the_exposed_time_and_the_share_of_a_step():
   assert base["step_share"] == pytest.approx(
     base["optimizer_model_ms"] / base["train_model_ms"]
   )
+  # the optimizer's time: the program's matmuls (read from its text) at the
+  # CPU's 1e11 FLOP/s, and the exposed collectives
+  assert base["optimizer_model_ms"] == pytest.approx(
+    base["hlo_tflop"] * 1e12 / 1e11 * 1e3 + schedule["exposed_ms"]
+  )
 
 
 def test_momentum_8bit_reports_the_gap_beside_the_spread():

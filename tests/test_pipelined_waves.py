@@ -354,3 +354,33 @@ def test_parts_are_pipelined_but_on_tpus(kind, pipelined):
     mesh=types.SimpleNamespace(devices=np.array([device]))
   )
   assert allgather._pipelines(tp) is pipelined
+
+
+def test_the_matmul_reader_counts_dots_convolutions_and_loops():
+  # a GPU/CPU dot, a TPU compiler's batched matmul written as a
+  # convolution (its batch as a dilated window, its contraction the
+  # kernel's input features "i"), and a dot in a loop of 5 trips
+  hlo = "\n".join(
+    [
+      "%body (p: f32[4,8]) -> f32[4,8] {",
+      "  %p = f32[4,8]{1,0} parameter(0)",
+      "  %m = f32[8,8]{1,0} parameter(1)",
+      "  ROOT %d = f32[4,8]{1,0} dot(%p, %m), lhs_contracting_dims={1}, "
+      "rhs_contracting_dims={0}",
+      "}",
+      "ENTRY %main (a: f32[2,8,16]) -> f32[2,8,32] {",
+      "  %a = f32[2,8,16]{2,1,0} parameter(0)",
+      "  %b = f32[2,16,32]{2,1,0} parameter(1)",
+      "  %k = f32[2,32,16]{2,1,0} parameter(2)",
+      "  %c = f32[2,8,32]{2,1,0} convolution(%a, %b), window={size=2 "
+      "lhs_dilate=2}, dim_labels=0bf_0io->0bf",
+      "  %e = f32[2,8,32]{2,1,0} convolution(%a, %k), window={size=2 "
+      "lhs_dilate=2}, dim_labels=0bf_0oi->0bf",
+      "  %w = f32[4,8]{1,0} while(%x), condition=%cond, body=%body, "
+      'backend_config={"known_trip_count":{"n":"5"}}',
+      "  ROOT %r = f32[2,8,32]{2,1,0} add(%c, %e)",
+      "}",
+    ]
+  )
+  convolution = 2 * (2 * 8 * 32) * 16
+  assert _hlo.matmul_flops(hlo) == 2 * convolution + 5 * (2 * 4 * 8 * 8)
