@@ -447,3 +447,51 @@ def test_stacks_that_each_leave_a_remainder_are_orthogonalized_together(
     for b in (budget, 1 << 40)
   }
   assert flops[budget] / flops[1 << 40] == pytest.approx(per_rank / 4)
+
+
+def test_stacks_split_together_under_fsdp_homes_with_the_momentum_inside():
+  # the same three stacks at 10 layers, their rows over "data" (FSDP), so
+  # each data rank is home to 5 layers of each: Muon's momentum computed
+  # inside the parts, two steps, equal to one wave; 5 matrices a rank
+  mesh = _mesh((2, 4))
+  keys = jax.random.split(jax.random.key(6), 6)
+  shapes = {"gate": (10, 32, 64), "up": (10, 32, 64), "down": (10, 64, 32)}
+  specs = {
+    "gate": P(None, "data", "model"),
+    "up": P(None, "data", "model"),
+    "down": P(None, "model", "data"),
+  }
+  params, grads = (
+    _put(
+      {k: normal(key, s) for (k, s), key in zip(shapes.items(), ks)},
+      specs,
+      mesh,
+    )
+    for ks in (keys[:3], keys[3:])
+  )
+  build = lambda budget: om.muon(
+    0.02,
+    dimension_numbers="leading",
+    sharding=om.TensorParallel(mesh, mode="allgather", specs=specs),
+    memory_budget=budget,
+  )
+
+  def two_steps(tx):
+    state, p = tx.init(params), params
+    for g in (grads, jax.tree.map(lambda x: -0.5 * x, grads)):
+      updates, state = jax.jit(tx.update)(g, state, p)
+      p = optax.apply_updates(p, updates)
+    return p
+
+  budget = 3 * waves.newton_schulz_bytes(32, 64) // 2
+  _close(two_steps(build(budget)), two_steps(build(1 << 40)))
+  flops = {
+    b: _hlo.matmul_flops(
+      jax.jit(build(b).update)
+      .lower(grads, build(b).init(params), params)
+      .compile()
+      .as_text()
+    )
+    for b in (budget, 1 << 40)
+  }
+  assert flops[budget] / flops[1 << 40] == pytest.approx(5 / 4)
