@@ -160,15 +160,21 @@ def _types(bodies: dict) -> dict:
 
 
 def _matmul_flops(line: str, types: dict) -> int:
-  """FLOPs of a ``dot``: twice the result's entries times the contracted
-  length (read off the left operand's type); of a TPU compiler's matmul
-  written as a ``convolution``, the kernel's input features (``i`` of its
-  ``dim_labels``), the window a batch trick (one tap per output)."""
-  if " convolution(" in line:
-    return _convolution_flops(line, types)
-  if " dot(" not in line:
-    return 0
-  result, _, rest = line.partition("=")[2].partition(" dot(")
+  """FLOPs of a ``dot`` (or a TPU compiler's matmul written as a
+  ``convolution``): twice the result's entries times the contracted length."""
+  for op, contracted_of in (
+    (" dot(", _dot_contracted),
+    (" convolution(", _kernel_features),
+  ):
+    if op in line:
+      result, _, rest = line.partition("=")[2].partition(op)
+      return 2 * int(np.prod(_dims(result))) * contracted_of(rest, types)
+  return 0
+
+
+def _dot_contracted(rest: str, types: dict) -> int:
+  """A ``dot``'s contracted length, read off its left operand's type (0
+  where it cannot be read)."""
   operand = re.match(r"\s*(?:\w+\[[\d,]*\]\S*\s+)?%?([\w.\-]+)", rest)
   contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
   if not operand or not contracting:
@@ -177,21 +183,20 @@ def _matmul_flops(line: str, types: dict) -> int:
   axes = [int(a) for a in contracting.group(1).split(",") if a]
   if not lhs or any(a >= len(lhs) for a in axes):
     return 0
-  contracted = int(np.prod([lhs[a] for a in axes]))
-  return 2 * int(np.prod(_dims(result))) * contracted
+  return int(np.prod([lhs[a] for a in axes]))
 
 
-def _convolution_flops(line: str, types: dict) -> int:
-  result, _, rest = line.partition("=")[2].partition(" convolution(")
+def _kernel_features(rest: str, types: dict) -> int:
+  """A matmul written as a ``convolution``: its kernel's input features
+  (``i`` of its ``dim_labels``); the window is a batch trick, one tap an
+  output."""
   operands = re.match(r"\s*%?([\w.\-]+),\s*%?([\w.\-]+)\)", rest)
   labels = re.search(r"dim_labels=\w+_(\w+)->", rest)
   if not operands or not labels:
     return 0
   kernel = _dims(types.get(operands.group(2), ""))
   at = labels.group(1).find("i")
-  if at < 0 or at >= len(kernel):
-    return 0
-  return 2 * int(np.prod(_dims(result))) * kernel[at]
+  return kernel[at] if 0 <= at < len(kernel) else 0
 
 
 def _flops(name: str, bodies: dict, types: dict, memo: dict) -> int:
