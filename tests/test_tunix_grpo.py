@@ -110,6 +110,11 @@ def test_bad_settings_are_refused_naming_the_field():
     train.Config(optimizer="sgd")
   with pytest.raises(ValueError, match="test_problems \\+ validation_problems"):
     train.Config(test_problems=400, validation_problems=200)
+  # more steps than the training problems feed: refused, not cut short
+  with pytest.raises(
+    ValueError, match=r"grpo_steps \* prompts_per_step .* 4000.* 300 \* 16"
+  ):
+    train.Config(grpo_steps=300, prompts_per_step=16)
 
 
 def test_the_shorter_reward_and_a_bad_reward_name():
