@@ -96,6 +96,12 @@ def _close(actual, expected, tol=1e-6):
     assert error <= tol * max(1.0, float(jnp.max(jnp.abs(want)))), (key, error)
 
 
+def _matmul_flops(tx, *args) -> int:
+  """Matmul FLOPs of the compiled ``tx.update(*args)``, loops times their
+  trip counts."""
+  return _hlo.matmul_flops(jax.jit(tx.update).lower(*args).compile().as_text())
+
+
 def _largest(hlo: str, kind: str) -> int:
   """The largest result of a ``kind`` collective in the HLO."""
   return max(
@@ -438,12 +444,7 @@ def test_stacks_that_each_leave_a_remainder_are_orthogonalized_together(
   budget = 3 * waves.newton_schulz_bytes(32, 64) // 2
   _close(_update(build(budget), sharded), _update(build(1 << 40), sharded))
   flops = {
-    b: _hlo.matmul_flops(
-      jax.jit(build(b).update)
-      .lower(sharded, optax.EmptyState())
-      .compile()
-      .as_text()
-    )
+    b: _matmul_flops(build(b), sharded, optax.EmptyState())
     for b in (budget, 1 << 40)
   }
   assert flops[budget] / flops[1 << 40] == pytest.approx(per_rank / 4)
@@ -486,12 +487,7 @@ def test_stacks_split_together_under_fsdp_homes_with_the_momentum_inside():
   budget = 3 * waves.newton_schulz_bytes(32, 64) // 2
   _close(two_steps(build(budget)), two_steps(build(1 << 40)))
   flops = {
-    b: _hlo.matmul_flops(
-      jax.jit(build(b).update)
-      .lower(grads, build(b).init(params), params)
-      .compile()
-      .as_text()
-    )
+    b: _matmul_flops(build(b), grads, build(b).init(params), params)
     for b in (budget, 1 << 40)
   }
   assert flops[budget] / flops[1 << 40] == pytest.approx(5 / 4)

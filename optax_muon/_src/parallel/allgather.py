@@ -319,13 +319,19 @@ def merged_part(
   return best
 
 
+def _splits_alone(member: WideMember, quota: int) -> bool:
+  """Whether a member is a stack the waves split alone: two parts of
+  ``quota`` matrices or more."""
+  return member.axis is not None and member.items >= 2 * quota
+
+
 def _merged(
   members: list[WideMember], quota: int, tp: TensorParallel, solves: Solves
-) -> dict[int, waves.Task]:
-  """Tasks over the stacked members that would each run whole (fewer than
-  two parts of ``quota`` matrices) split together along their common batch
-  axis (``merged_part``), where that leaves each rank fewer matrices, no
-  more at a time: keyed by the place of their first member.
+) -> list[tuple[list[int], waves.Task]]:
+  """Tasks over the stacked members that would each run whole (not
+  ``_splits_alone``) split together along their common batch axis
+  (``merged_part``), where that leaves each rank fewer matrices, no more at
+  a time: each with its members' places in ``members``.
 
   Only where the parts are pipelined (``_pipelines``: not on TPUs).
   Compiled for Llama-3-70B at FSDP 8 × TP 8 (10 layers a data rank, the MLP's
@@ -337,21 +343,23 @@ def _merged(
   stacks' inputs and results live together, where each task alone holds
   only its own."""
   if not _pipelines(tp):
-    return {}
+    return []
   stacks: dict[tuple[int, int], list[int]] = {}
   for place, member in enumerate(members):
-    if member.axis is not None and member.items < 2 * quota:
+    if member.axis is not None and not _splits_alone(member, quota):
       key = (member.axis, member.x.shape[member.axis])
       stacks.setdefault(key, []).append(place)
-  tasks: dict[int, waves.Task] = {}
+  tasks = []
   for (_, count), places in stacks.items():
+    if len(places) < 2:
+      continue
     group = [members[p] for p in places]
     alone = [-(-m.items // tp.size) for m in group]
     split = merged_part(
       sum(m.items // count for m in group), count, tp.size, max(alone)
     )
-    if len(group) > 1 and split and split[1] < sum(alone):
-      tasks[places[0]] = _task(group, tp, solves, unit=split[0])
+    if split and split[1] < sum(alone):
+      tasks.append((places, _task(group, tp, solves, unit=split[0])))
   return tasks
 
 
@@ -369,16 +377,17 @@ def _tasks(
   per_matrix = members[0].whole_bytes(tp.size)
   quota = max(1, budget // per_matrix) * tp.size  # matrices per part
   merged = _merged(members, quota, tp, solves)
-  in_merged = {i for task in merged.values() for i in task.owners}
+  first_of = {places[0]: task for places, task in merged}
+  in_merged = {place for places, _ in merged for place in places}
   tasks: list[waves.Task] = []
   pool: list[WideMember] = []
   pooled = 0
   for place, member in enumerate(members):
-    if place in merged:
-      tasks.append(merged[place])
-    if member.leaf.index in in_merged:
+    if place in first_of:
+      tasks.append(first_of[place])
+    if place in in_merged:
       continue
-    if member.axis is not None and member.items >= 2 * quota:
+    if _splits_alone(member, quota):
       unit = _allgather_unit(member, tp.size)
       tasks.append(_task([member], tp, solves, unit))
       continue
