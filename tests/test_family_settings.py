@@ -194,16 +194,12 @@ def test_polargrad_split_gate_up_and_sharding_give_the_unsharded_numbers():
   assert float(jnp.max(jnp.abs(fused - want["mlp"]["gate_up"]))) > 1e-4
 
 
-def test_forward_hands_on_only_the_keywords_a_callee_takes():
-  def callee(method, *, steps=5, precision="highest"):
-    return method, steps, precision
-
-  arguments = {"method": "gram", "steps": 3, "beta": 0.9}
-  assert settings.forward(callee, arguments) == {"steps": 3}
-  assert settings.forward(callee, arguments, precision="bf16") == {
-    "steps": 3,
-    "precision": "bf16",
-  }
+@pytest.mark.parametrize("member", settings.SCALAR_KWARGS)
+def test_a_misspelt_adamw_keyword_is_refused_by_name(member):
+  # **scalar_kwargs would take any keyword; the optimizer refuses it as
+  # Python refuses an unknown keyword, naming it and what it takes
+  with pytest.raises(TypeError, match="'adam_beta1'.*adam_b1"):
+    getattr(om, member)(0.1, adam_beta1=0.5)
 
 
 def test_the_adamw_group_is_set_the_same_way_in_every_optimizer():
@@ -219,27 +215,43 @@ def test_the_adamw_group_is_set_the_same_way_in_every_optimizer():
     chex.assert_trees_all_close(got["bias"], want["bias"], rtol=1e-6)
 
 
-def test_muon_hands_every_direction_setting_to_scale_by_muon(monkeypatch):
-  # muon spells its call out (so mypy follows each setting): a setting left
-  # out of it would fall back to scale_by_muon's default without a word
-  from optax_muon._src.optimizers import muon as muon_module
+@pytest.mark.parametrize(
+  "member", (om.muon, *OPTIMIZERS), ids=lambda f: f.__name__
+)
+def test_every_shared_setting_an_optimizer_takes_reaches_what_checks_it(member):
+  # each member hands its keywords on by name, to its direction's settings
+  # objects and to route: a keyword left out on the way would fall back to
+  # a default without a word, and a value no member accepts would pass
+  params = {"hidden": jnp.ones((8, 16)), "bias": jnp.ones(16)}
+  exempt = settings.NOT_APPLICABLE.get(member.__name__, {})
+  taken = [
+    name
+    for name in settings.DIRECTION + settings.ROUTING
+    if name not in exempt
+    and (name in _parameters(member) or _takes_keywords(member))
+    and name in _parameters(om.muon)
+  ]
+  assert len(taken) >= 20
+  for name in taken:
+    with pytest.raises((ValueError, TypeError), match=name):
+      bad = member(0.01, **{name: -3})
+      bad.update(params, bad.init(params), params)
 
-  received = {}
 
-  class Received(Exception):
-    pass
+MATCHES_ADAMW = (om.muon, om.adaptive_muon, om.dion2, om.nordion2, om.dion)
 
-  def recorder(**kwargs):
-    received.update(kwargs)
-    raise Received
 
-  monkeypatch.setattr(muon_module, "scale_by_muon", recorder)
-  direction_settings = set(_parameters(om.scale_by_muon)) - {"layout"}
-  shared = direction_settings & set(_parameters(om.muon))
-  sentinels = {name: object() for name in shared}
-  with pytest.raises(Received):
-    om.muon(0.1, adam_b1=0.8, **sentinels)
-  assert {name: received.get(name) for name in shared} == sentinels
-  # muon's adam_b1 is scale_by_muon's adamw_beta1 (RMS matching)
-  assert direction_settings - shared == {"adamw_beta1"}
-  assert received["adamw_beta1"] == 0.8
+@pytest.mark.parametrize("member", MATCHES_ADAMW, ids=lambda f: f.__name__)
+def test_adam_b1_sets_the_rms_matching_factor(member):
+  # the optimizers' adam_b1 is their direction's adamw_beta1: the Muon
+  # update is √((1 − β₁)/(1 + β₁)) times the unmatched one
+  params = {"hidden": gaussian((8, 16), seed=0)}
+  grads = {"hidden": gaussian((8, 16), seed=1)}
+
+  def step(tx):
+    return tx.update(grads, tx.init(params), params)[0]["hidden"]
+
+  matched = step(member(1.0, match_adamw_update_rms=True, adam_b1=0.5))
+  chex.assert_trees_all_close(
+    matched, step(member(1.0)) * (0.5 / 1.5) ** 0.5, rtol=1e-5, atol=1e-7
+  )

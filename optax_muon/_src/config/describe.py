@@ -17,7 +17,6 @@ from optax_muon._src.inference.table import RoutingTable
 from optax_muon._src.inference.table import render
 from optax_muon._src.kernels import shape_scale
 from optax_muon._src.optimizers import torch_muon as torch_muon_lib
-from optax_muon._src.optimizers.settings import adam_b1_of
 from optax_muon._src.parallel import balance
 from optax_muon._src.parallel import plan as plan_lib
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
@@ -269,18 +268,19 @@ def settings_of(optimizer) -> dict[str, Any]:
       " — wrap nothing around it, or pass its settings to describe instead"
     )
   arguments = found.arguments
-  # describe's own settings, as the optimizer was built with them (adam_b1
-  # under the name its builder gives it)
+  parameters = inspect.signature(describe).parameters
+  # describe's own settings, as the optimizer was built with them
   read = [
     name
-    for name in inspect.signature(describe).parameters
+    for name in parameters
     if name not in ("params", "optimizer", "adam_b1")
   ]
   settings = {name: arguments[name] for name in read if name in arguments}
-  settings["adam_b1"] = (
-    arguments["adamw_beta1"]  # a direction's
-    if "adamw_beta1" in arguments
-    else adam_b1_of(arguments)
+  # adam_b1 under the name its builder gives it: a direction's adamw_beta1,
+  # an optimizer's adam_b1 (given directly or in its **scalar_kwargs)
+  given = {**arguments.get("scalar_kwargs", {}), **arguments}
+  settings["adam_b1"] = given.get(
+    "adamw_beta1", given.get("adam_b1", parameters["adam_b1"].default)
   )
   if found.member in _OWN_SCHEMES:
     settings["sharding"] = None

@@ -30,16 +30,16 @@ import optax
 from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.kernels import batched
 from optax_muon._src.optimizers import registry
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
+from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms.moment2 import Moment2State
 from optax_muon._src.transforms.moment2 import scale_by_moment2
-
-# the functions by their own modules: the package's names are the functions
-from optax_muon._src.transforms.momentum import MOMENTUM_STYLES
-from optax_muon._src.transforms.momentum import canonical_dtype
+from optax_muon._src.views.layout import from_layout
+from optax_muon._src.views.matrix_views import Views
 
 
 class AdaptiveMuonState(NamedTuple):
@@ -101,19 +101,61 @@ def scale_by_adaptive_muon(
   References:
     NVIDIA emerging-optimizers 0.3.0, ``AdaptiveMuon``
   """
-  _checks.check_choice("momentum_style", momentum_style, MOMENTUM_STYLES)
-  arguments, extra = settings.scaled_direction_arguments(locals())
-  canonical_dtype("mu_dtype", mu_dtype, quantized=True)
-  momentum = settings.momentum_of(arguments)
-  orthogonalization = settings.orthogonalization_of(
-    arguments, state_memory_kind=None
+  return _scale_by_adaptive_muon(
+    moment2_method,
+    beta2,
+    moment2_eps,
+    settings.Momentum(
+      beta=beta,
+      nesterov=nesterov,
+      momentum_style=momentum_style,
+      mu_dtype=mu_dtype,
+    ),
+    settings.Orthogonalization(
+      batched.Solver(
+        coefficients=coefficients,
+        steps=steps,
+        precision=precision,
+        method=method,
+        preconditioning=preconditioning,
+      ),
+      Views(
+        dimension_numbers=settings.layout_dimension_numbers(
+          layout, dimension_numbers
+        ),
+        split_qkv=split_qkv,
+        split_gate_up=split_gate_up,
+      ),
+      Execution(sharding=sharding, memory_budget=memory_budget),
+    ),
+    scale_mode,
+    settings.extra_scale(
+      scale_mode, extra_scale_factor, match_adamw_update_rms, adamw_beta1
+    ),
   )
+
+
+def _scale_by_adaptive_muon(
+  moment2_method: types.Moment2Method,
+  beta2: types.Numeric,
+  moment2_eps: types.Numeric,
+  momentum_settings: settings.Momentum,
+  orthogonalization: settings.Orthogonalization,
+  scale_mode: types.ScaleMode,
+  extra: Any,
+) -> optax.GradientTransformation:
+  """``scale_by_adaptive_muon`` of its settings objects (built and checked
+  once by it or ``adaptive_muon``)."""
+  momentum = momentum_settings.transform(orthogonalization.execution)
   orthogonalize = orthogonalization.orthogonalize()
+  views = orthogonalization.views
   moment2 = scale_by_moment2(
     moment2_method,
     beta2,
     moment2_eps,
-    **settings.forward(scale_by_moment2, arguments),
+    dimension_numbers=views.dimension_numbers,
+    split_qkv=views.split_qkv,
+    split_gate_up=views.split_gate_up,
   )
   shape = orthogonalization.scale_by_shape(scale_mode)
 
@@ -202,11 +244,52 @@ def adaptive_muon(
     Megatron-Core ``optimizer="adaptive_muon"``
   """
   _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
-  arguments = settings.routed_arguments(locals())
-  direction = scale_by_adaptive_muon(
-    **settings.forward(scale_by_adaptive_muon, arguments, adamw_beta1=adam_b1)
+  labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
+  direction = _scale_by_adaptive_muon(
+    moment2_method,
+    beta2,
+    moment2_eps,
+    settings.Momentum(
+      beta=beta,
+      nesterov=nesterov,
+      momentum_style=momentum_style,
+      mu_dtype=mu_dtype,
+    ),
+    settings.Orthogonalization(
+      batched.Solver(
+        coefficients=coefficients,
+        steps=steps,
+        precision=precision,
+        method=method,
+        preconditioning=preconditioning,
+      ),
+      Views(
+        dimension_numbers=dimension_numbers,
+        split_qkv=split_qkv,
+        split_gate_up=split_gate_up,
+      ),
+      Execution(sharding=sharding, memory_budget=memory_budget),
+    ),
+    scale_mode,
+    settings.extra_scale(
+      scale_mode, extra_scale_factor, match_adamw_update_rms, adam_b1
+    ),
   )
-  return route(direction, learning_rate, **settings.forward(route, arguments))
+  return route(
+    direction,
+    learning_rate,
+    weight_decay=weight_decay,
+    weight_decay_mask=weight_decay_mask,
+    labels=labels,
+    scalar_optimizer=scalar_optimizer,
+    adam_learning_rate=adam_learning_rate,
+    adam_b1=adam_b1,
+    adam_b2=adam_b2,
+    adam_eps=adam_eps,
+    adam_weight_decay=adam_weight_decay,
+    adam_weight_decay_mask=adam_weight_decay_mask,
+    state_memory_kind=state_memory_kind,
+  )
 
 
 def _from_config(config, learning_rate, **keywords):

@@ -55,10 +55,12 @@ from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel import dion_distributed
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
+from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms import scaling
 from optax_muon._src.transforms.momentum import canonical_dtype
-from optax_muon._src.views import layout as layout_lib
+from optax_muon._src.views.layout import from_layout
+from optax_muon._src.views.matrix_views import Views
 
 
 class DionState(NamedTuple):
@@ -191,13 +193,18 @@ def scale_by_dion(
   _checks.check_range("ef_decay", ef_decay, 0.0, 1.0 + 1e-12)
   _checks.check_range("epsilon", epsilon, 0.0, float("inf"))
   _checks.check_choice("precision", precision, matrices.PRECISIONS)
-  arguments, extra = settings.scaled_direction_arguments(locals())
+  extra = settings.extra_scale(
+    scale_mode, extra_scale_factor, match_adamw_update_rms, adamw_beta1
+  )
   mu_dtype = canonical_dtype("mu_dtype", mu_dtype)
-  budget = settings.execution_of(arguments).wave_bytes
-  resolve_views = layout_lib.view_resolver(
-    arguments["dimension_numbers"],
-    split_qkv,
-    split_gate_up,
+  dimension_numbers = settings.layout_dimension_numbers(
+    layout, dimension_numbers
+  )
+  budget = Execution(sharding=sharding, memory_budget=memory_budget).wave_bytes
+  resolve_views = Views(
+    dimension_numbers=dimension_numbers,
+    split_qkv=split_qkv,
+    split_gate_up=split_gate_up,
   )
 
   plans = functools.partial(_plans, sharding)
@@ -291,7 +298,13 @@ def scale_by_dion(
     )
 
   shape = scaling.scale_by_shape(
-    scale_mode, **settings.forward(scaling.scale_by_shape, arguments)
+    scale_mode,
+    dimension_numbers=dimension_numbers,
+    split_qkv=split_qkv,
+    sharding=sharding,
+    split_gate_up=split_gate_up,
+    precision=precision,
+    memory_budget=memory_budget,
   )
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -375,13 +388,37 @@ def dion(
     Ahn et al., `Dion: Distributed Orthonormalized Updates
     <https://arxiv.org/abs/2504.05295>`_, 2025
   """
-  arguments = settings.routed_arguments(locals())
+  labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
+  routing = settings.scalar_options(scalar_kwargs)
   direction = scale_by_dion(
-    **settings.forward(
-      scale_by_dion, arguments, adamw_beta1=settings.adam_b1_of(arguments)
-    )
+    rank_fraction=rank_fraction,
+    rank_multiple_of=rank_multiple_of,
+    ef_decay=ef_decay,
+    power_iters=power_iters,
+    qr_method=qr_method,
+    epsilon=epsilon,
+    seed=seed,
+    mu_dtype=mu_dtype,
+    precision=precision,
+    memory_budget=memory_budget,
+    scale_mode=scale_mode,
+    extra_scale_factor=extra_scale_factor,
+    match_adamw_update_rms=match_adamw_update_rms,
+    adamw_beta1=routing["adam_b1"],
+    dimension_numbers=dimension_numbers,
+    split_qkv=split_qkv,
+    split_gate_up=split_gate_up,
+    sharding=sharding,
   )
-  return route(direction, learning_rate, **settings.forward(route, arguments))
+  return route(
+    direction,
+    learning_rate,
+    weight_decay=weight_decay,
+    weight_decay_mask=weight_decay_mask,
+    labels=labels,
+    state_memory_kind=state_memory_kind,
+    **routing,
+  )
 
 
 def _from_config(

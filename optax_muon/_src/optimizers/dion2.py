@@ -36,16 +36,19 @@ from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
 from optax_muon._src.base.trees import pieces_structure
+from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import dion2_selection as selection
 from optax_muon._src.optimizers import dion2_step
 from optax_muon._src.optimizers import registry
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
+from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import EXACT_MODES
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms.momentum import canonical_dtype
-from optax_muon._src.views import layout as layout_lib
+from optax_muon._src.views.layout import from_layout
+from optax_muon._src.views.matrix_views import Views
 
 SELECTION_SCOPES = ("local", "global")
 
@@ -140,9 +143,56 @@ def scale_by_dion2(
     Ahn et al., `Dion2 <https://arxiv.org/abs/2512.16928>`_, 2025;
     microsoft/dion ``dion/dion2.py``, ``dion/nordion2.py``
   """
+  return _scale_by_dion2(
+    settings.Orthogonalization(
+      batched.Solver(
+        coefficients=coefficients,
+        steps=steps,
+        precision=precision,
+        method=method,
+        preconditioning=preconditioning,
+      ),
+      Views(
+        dimension_numbers=settings.layout_dimension_numbers(
+          layout, dimension_numbers
+        ),
+        split_qkv=split_qkv,
+        split_gate_up=split_gate_up,
+      ),
+      Execution(sharding=sharding, memory_budget=memory_budget),
+    ),
+    mu_dtype,
+    scale_mode,
+    settings.extra_scale(
+      scale_mode, extra_scale_factor, match_adamw_update_rms, adamw_beta1
+    ),
+    fraction=fraction,
+    ef_decay=ef_decay,
+    normalize_neurons=normalize_neurons,
+    beta2=beta2,
+    selection_scope=selection_scope,
+  )
+
+
+def _scale_by_dion2(
+  orthogonalization: settings.Orthogonalization,
+  mu_dtype: types.MomentumDtype,
+  scale_mode: types.ScaleMode,
+  extra: Any,
+  *,
+  fraction: types.Numeric,
+  ef_decay: types.Numeric,
+  selection_scope: str,
+  normalize_neurons: bool = False,
+  beta2: types.Numeric = 0.95,
+) -> optax.GradientTransformation:
+  """``scale_by_dion2`` of its settings objects and its selection's
+  settings (checked here), built by it, ``dion2`` or ``nordion2``
+  (``normalize_neurons`` and ``beta2``: ``scale_by_dion2``'s defaults,
+  NorDion2's alone)."""
+  sharding = orthogonalization.execution.sharding
   _check_selection(fraction, ef_decay, sharding, selection_scope)
   _checks.check_range("beta2", beta2, 0.0, 1.0)
-  arguments, extra = settings.scaled_direction_arguments(locals())
   mu_dtype = canonical_dtype("mu_dtype", mu_dtype)
   step = dion2_step.Dion2Step(
     fraction=fraction,
@@ -152,14 +202,10 @@ def scale_by_dion2(
     scale_mode=scale_mode,
     extra=extra,
     sharding=None if selection_scope == "global" else sharding,
-    solver=settings.solver_of(arguments),
-    memory_budget=memory_budget,
+    solver=orthogonalization.solver,
+    memory_budget=orthogonalization.execution.memory_budget,
   )
-  resolve_views = layout_lib.view_resolver(
-    arguments["dimension_numbers"],
-    split_qkv,
-    split_gate_up,
-  )
+  resolve_views = orthogonalization.views
 
   def init_fn(params):
     momentum = jax.tree.map(
@@ -276,13 +322,45 @@ def dion2(
   References:
     Ahn et al., `Dion2 <https://arxiv.org/abs/2512.16928>`_, 2025
   """
-  arguments = settings.routed_arguments(locals())
-  direction = scale_by_dion2(
-    **settings.forward(
-      scale_by_dion2, arguments, adamw_beta1=settings.adam_b1_of(arguments)
-    )
+  labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
+  routing = settings.scalar_options(scalar_kwargs)
+  direction = _scale_by_dion2(
+    settings.Orthogonalization(
+      batched.Solver(
+        coefficients=coefficients,
+        steps=steps,
+        precision=precision,
+        method=method,
+        preconditioning=preconditioning,
+      ),
+      Views(
+        dimension_numbers=dimension_numbers,
+        split_qkv=split_qkv,
+        split_gate_up=split_gate_up,
+      ),
+      Execution(sharding=sharding, memory_budget=memory_budget),
+    ),
+    mu_dtype,
+    scale_mode,
+    settings.extra_scale(
+      scale_mode,
+      extra_scale_factor,
+      match_adamw_update_rms,
+      routing["adam_b1"],
+    ),
+    fraction=fraction,
+    ef_decay=ef_decay,
+    selection_scope=selection_scope,
   )
-  return route(direction, learning_rate, **settings.forward(route, arguments))
+  return route(
+    direction,
+    learning_rate,
+    weight_decay=weight_decay,
+    weight_decay_mask=weight_decay_mask,
+    labels=labels,
+    state_memory_kind=state_memory_kind,
+    **routing,
+  )
 
 
 @built.recorded
@@ -341,17 +419,49 @@ def nordion2(
     microsoft/dion ``dion/nordion2.py``; Li et al., `NorMuon
     <https://arxiv.org/abs/2510.05491>`_, 2025
   """
-  arguments = settings.routed_arguments(locals())
-  direction = scale_by_dion2(
-    **settings.forward(
-      scale_by_dion2,
-      arguments,
-      ef_decay=beta,
-      normalize_neurons=True,
-      adamw_beta1=settings.adam_b1_of(arguments),
-    )
+  # its beta is the selection's ef_decay: checked under the name given
+  _checks.check_range("beta", beta, 0.0, 1.0 + 1e-12)
+  labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
+  routing = settings.scalar_options(scalar_kwargs)
+  direction = _scale_by_dion2(
+    settings.Orthogonalization(
+      batched.Solver(
+        coefficients=coefficients,
+        steps=steps,
+        precision=precision,
+        method=method,
+        preconditioning=preconditioning,
+      ),
+      Views(
+        dimension_numbers=dimension_numbers,
+        split_qkv=split_qkv,
+        split_gate_up=split_gate_up,
+      ),
+      Execution(sharding=sharding, memory_budget=memory_budget),
+    ),
+    mu_dtype,
+    scale_mode,
+    settings.extra_scale(
+      scale_mode,
+      extra_scale_factor,
+      match_adamw_update_rms,
+      routing["adam_b1"],
+    ),
+    fraction=fraction,
+    ef_decay=beta,
+    normalize_neurons=True,
+    beta2=beta2,
+    selection_scope=selection_scope,
   )
-  return route(direction, learning_rate, **settings.forward(route, arguments))
+  return route(
+    direction,
+    learning_rate,
+    weight_decay=weight_decay,
+    weight_decay_mask=weight_decay_mask,
+    labels=labels,
+    state_memory_kind=state_memory_kind,
+    **routing,
+  )
 
 
 def _from_config(

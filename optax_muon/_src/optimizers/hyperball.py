@@ -23,7 +23,6 @@ import optax
 
 from optax_muon._src.base import types
 from optax_muon._src.optimizers import muon as alias
-from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.transforms.hyperball import hyperball
 from optax_muon._src.views.layout import from_layout
@@ -91,6 +90,15 @@ def muon_hyperball(
   return route(
     direction,
     learning_rate,
-    **settings.forward(route, locals(), layout=None),
-    muon_step=step,
+    weight_decay=weight_decay,
+    labels=labels,
+    scalar_optimizer=scalar_optimizer,
+    adam_learning_rate=adam_learning_rate,
+    adam_b1=adam_b1,
+    adam_b2=adam_b2,
+    adam_eps=adam_eps,
+    adam_weight_decay=adam_weight_decay,
+    adam_weight_decay_mask=adam_weight_decay_mask,
+    state_memory_kind=state_memory_kind,
+    muon_step=step,  # it decays the Muon weights itself
   )

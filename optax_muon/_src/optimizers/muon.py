@@ -7,12 +7,15 @@ import optax
 from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.kernels import batched
 from optax_muon._src.optimizers import registry
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
+from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
-from optax_muon._src.transforms import momentum as momentum_lib
 from optax_muon._src.transforms import muon_direction
+from optax_muon._src.views.layout import from_layout
+from optax_muon._src.views.matrix_views import Views
 
 
 @built.recorded
@@ -96,29 +99,64 @@ def scale_by_muon(
     Liu et al., `Muon is Scalable for LLM Training
     <https://arxiv.org/abs/2502.16982>`_, 2025
   """
-  # Checked here under this function's names (momentum's ``style`` is our
-  # ``momentum_style``), so that an error names the argument the user passed.
-  _checks.check_choice(
-    "momentum_style", momentum_style, momentum_lib.MOMENTUM_STYLES
-  )
-  arguments, extra = settings.scaled_direction_arguments(locals())
-  momentum_lib.canonical_dtype("mu_dtype", mu_dtype, quantized=True)
-  # one of each settings object, shared by the pieces: the plan they read
-  # (parallel.plan) is then decided once per leaf
-  orthogonalization = settings.orthogonalization_of(arguments)
-  if orthogonalization.execution.streams(mu_dtype):  # momentum in its wave
-    direction = muon_direction.momentum_orthogonalize(
-      beta,
+  return _scale_by_muon(
+    settings.Momentum(
+      beta=beta,
       nesterov=nesterov,
-      style=momentum_style,
-      dtype=mu_dtype,
+      momentum_style=momentum_style,
+      mu_dtype=mu_dtype,
+    ),
+    settings.Orthogonalization(
+      batched.Solver(
+        coefficients=coefficients,
+        steps=steps,
+        precision=precision,
+        method=method,
+        preconditioning=preconditioning,
+      ),
+      Views(
+        dimension_numbers=settings.layout_dimension_numbers(
+          layout, dimension_numbers
+        ),
+        split_qkv=split_qkv,
+        split_gate_up=split_gate_up,
+      ),
+      Execution(
+        sharding=sharding,
+        memory_budget=memory_budget,
+        state_memory_kind=state_memory_kind,
+      ),
+    ),
+    scale_mode,
+    settings.extra_scale(
+      scale_mode, extra_scale_factor, match_adamw_update_rms, adamw_beta1
+    ),
+  )
+
+
+def _scale_by_muon(
+  momentum: settings.Momentum,
+  orthogonalization: settings.Orthogonalization,
+  scale_mode: types.ScaleMode,
+  extra: Any,
+) -> optax.GradientTransformation:
+  """``scale_by_muon`` of its settings objects, built (and checked) once by
+  ``scale_by_muon`` or ``muon``: the pieces share them, so the plan they
+  read (``parallel.plan``) is decided once per leaf."""
+  execution = orthogonalization.execution
+  if execution.streams(momentum.mu_dtype):  # momentum in its wave
+    direction = muon_direction.momentum_orthogonalize(
+      momentum.beta,
+      nesterov=momentum.nesterov,
+      style=momentum.momentum_style,
+      dtype=momentum.mu_dtype,
       solver=orthogonalization.solver,
       views=orthogonalization.views,
-      execution=orthogonalization.execution,
+      execution=execution,
     )
   else:
     direction = optax.chain(
-      settings.momentum_of(arguments), orthogonalization.orthogonalize()
+      momentum.transform(execution), orthogonalization.orthogonalize()
     )
   # optax.chain(direction, shape, scale) with chain(momentum, orthogonalize)'s
   # state kept flat: (MomentumState, EmptyState, EmptyState, EmptyState)
@@ -234,16 +272,52 @@ def muon(
   # AdamW's beta1, checked under this function's name (it also sets the
   # RMS-matching factor, where scale_by_muon calls it adamw_beta1)
   _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
-  arguments = settings.routed_arguments(locals())
-  direction = scale_by_muon(
-    **settings.pick(settings.MuonDirectionOptions, arguments),
-    adamw_beta1=adam_b1,
-    state_memory_kind=state_memory_kind,
+  labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
+  direction = _scale_by_muon(
+    settings.Momentum(
+      beta=beta,
+      nesterov=nesterov,
+      momentum_style=momentum_style,
+      mu_dtype=mu_dtype,
+    ),
+    settings.Orthogonalization(
+      batched.Solver(
+        coefficients=coefficients,
+        steps=steps,
+        precision=precision,
+        method=method,
+        preconditioning=preconditioning,
+      ),
+      Views(
+        dimension_numbers=dimension_numbers,
+        split_qkv=split_qkv,
+        split_gate_up=split_gate_up,
+      ),
+      Execution(
+        sharding=sharding,
+        memory_budget=memory_budget,
+        state_memory_kind=state_memory_kind,
+      ),
+    ),
+    scale_mode,
+    settings.extra_scale(
+      scale_mode, extra_scale_factor, match_adamw_update_rms, adam_b1
+    ),
   )
   return route(
     direction,
     learning_rate,
-    **settings.forward(route, arguments),
+    weight_decay=weight_decay,
+    weight_decay_mask=weight_decay_mask,
+    labels=labels,
+    scalar_optimizer=scalar_optimizer,
+    adam_learning_rate=adam_learning_rate,
+    adam_b1=adam_b1,
+    adam_b2=adam_b2,
+    adam_eps=adam_eps,
+    adam_weight_decay=adam_weight_decay,
+    adam_weight_decay_mask=adam_weight_decay_mask,
+    state_memory_kind=state_memory_kind,
     direction_streams=True,
   )
 

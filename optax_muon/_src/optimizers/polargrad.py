@@ -20,11 +20,13 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
+from optax_muon._src.kernels import batched
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
+from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
-from optax_muon._src.transforms.momentum import canonical_dtype
-from optax_muon._src.views import layout as layout_lib
+from optax_muon._src.views.layout import from_layout
+from optax_muon._src.views.matrix_views import Views
 
 
 class PolarGradState(NamedTuple):
@@ -70,15 +72,45 @@ def scale_by_polargrad(
   References:
     Lau et al., `PolarGrad <https://arxiv.org/abs/2505.21799>`_, 2025
   """
-  _checks.check_positive("extra_scale_factor", extra_scale_factor)
-  arguments = settings.direction_arguments(locals())
-  dimension_numbers = arguments["dimension_numbers"]
-  canonical_dtype("mu_dtype", mu_dtype, quantized=True)
-  momentum = settings.momentum_of(arguments)
-  orthogonalize = settings.orthogonalize_of(arguments)
-  resolve_views = layout_lib.view_resolver(
-    dimension_numbers, split_qkv, split_gate_up
+  return _scale_by_polargrad(
+    settings.Momentum(
+      beta=beta,
+      nesterov=nesterov,
+      momentum_style=momentum_style,
+      mu_dtype=mu_dtype,
+    ),
+    settings.Orthogonalization(
+      batched.Solver(
+        coefficients=coefficients,
+        steps=steps,
+        precision=precision,
+        method=method,
+        preconditioning=preconditioning,
+      ),
+      Views(
+        dimension_numbers=settings.layout_dimension_numbers(
+          layout, dimension_numbers
+        ),
+        split_qkv=split_qkv,
+        split_gate_up=split_gate_up,
+      ),
+      Execution(sharding=sharding, memory_budget=memory_budget),
+    ),
+    extra_scale_factor,
   )
+
+
+def _scale_by_polargrad(
+  momentum_settings: settings.Momentum,
+  orthogonalization: settings.Orthogonalization,
+  extra_scale_factor: types.Numeric | None,
+) -> optax.GradientTransformation:
+  """``scale_by_polargrad`` of its settings objects (built and checked once
+  by it or ``polargrad``)."""
+  _checks.check_positive("extra_scale_factor", extra_scale_factor)
+  momentum = momentum_settings.transform(orthogonalization.execution)
+  orthogonalize = orthogonalization.orthogonalize()
+  views = orthogonalization.views
 
   def init_fn(params):
     orthogonalize.init(params)
@@ -91,7 +123,7 @@ def scale_by_polargrad(
     treedef = jax.tree.structure(updates)
     scaled = []
     for (_, o, view), u in zip(
-      resolve_views(orthogonal), treedef.flatten_up_to(directions)
+      views(orthogonal), treedef.flatten_up_to(directions)
     ):
       pieces = []  # a split leaf's matrices (Q, K, V; gate, up) one by one
       for o_matrices, u_matrices in zip(
@@ -162,8 +194,37 @@ def polargrad(
     >>> updates["hidden"].dtype == params["hidden"].dtype
     True
   """
-  arguments = settings.routed_arguments(locals())
-  direction = scale_by_polargrad(
-    **settings.forward(scale_by_polargrad, arguments)
+  labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
+  direction = _scale_by_polargrad(
+    settings.Momentum(
+      beta=beta,
+      nesterov=nesterov,
+      momentum_style=momentum_style,
+      mu_dtype=mu_dtype,
+    ),
+    settings.Orthogonalization(
+      batched.Solver(
+        coefficients=coefficients,
+        steps=steps,
+        precision=precision,
+        method=method,
+        preconditioning=preconditioning,
+      ),
+      Views(
+        dimension_numbers=dimension_numbers,
+        split_qkv=split_qkv,
+        split_gate_up=split_gate_up,
+      ),
+      Execution(sharding=sharding, memory_budget=memory_budget),
+    ),
+    extra_scale_factor,
   )
-  return route(direction, learning_rate, **settings.forward(route, arguments))
+  return route(
+    direction,
+    learning_rate,
+    weight_decay=weight_decay,
+    weight_decay_mask=weight_decay_mask,
+    labels=labels,
+    state_memory_kind=state_memory_kind,
+    **settings.scalar_options(scalar_kwargs),
+  )

@@ -1,4 +1,4 @@
-"""The Muon family's shared settings: declared once, forwarded one way.
+"""The Muon family's shared settings: declared once, handed on by name.
 
 ``muon``, ``adaptive_muon``, ``polargrad``, ``dion``, ``dion2``,
 ``nordion2`` (and their ``scale_by_*`` directions) take the same keywords
@@ -10,22 +10,23 @@ member takes, and the member writes each of its keywords out in its
 held by ``tests/test_signatures.py``: a keyword added to a group is
 reported for every member that lacks it). This module also says
 where a member's default differs or a setting does not apply to it, and
-why; and ``forward(callee, arguments)`` hands on exactly the keywords a
-callee takes. ``tests/test_family_settings.py`` holds every member to it:
+why. A member hands its keywords on by name (as ``optax.contrib.muon``
+does to its ``scale_by_muon``) and builds its settings objects
+(``batched.Solver``, ``Views``, ``Execution``: ``Orthogonalization``) from
+its own parameters, once. ``tests/test_family_settings.py`` holds every
+member to it:
 each shared setting is accepted with ``scale_by_muon``'s (or ``muon``'s)
 default and annotation, unless ``DIFFERENT_DEFAULTS`` or
 ``NOT_APPLICABLE`` says why not.
 """
 
-import inspect
+import dataclasses
 import typing
-from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Annotated
 from typing import Any
 from typing import NamedTuple
 from typing import TypedDict
-from typing import TypeVar
 
 import optax
 
@@ -42,8 +43,6 @@ from optax_muon._src.transforms import orthogonalize as orthogonalize_lib
 from optax_muon._src.transforms import scaling
 from optax_muon._src.views.layout import from_layout
 from optax_muon._src.views.matrix_views import Views
-
-Options = TypeVar("Options")
 
 
 class MomentumOptions(TypedDict, total=False):
@@ -207,13 +206,6 @@ def names(group: Any) -> tuple[str, ...]:
   return tuple(signatures.declared(group))
 
 
-def pick(group: type[Options], options: Mapping[str, Any]) -> Options:
-  """The entries of ``options`` that ``group`` declares."""
-  return typing.cast(
-    Options, {name: options[name] for name in names(group) if name in options}
-  )
-
-
 MOMENTUM = names(MomentumOptions) + names(MomentumDtypeOptions)
 NEWTON_SCHULZ = names(NewtonSchulzOptions)
 VIEWS = names(ViewOptions)
@@ -284,53 +276,32 @@ NOT_APPLICABLE["nordion2"] = {
 }
 
 
-def forward(
-  callee: Callable[..., Any], arguments: Mapping[str, Any], **overrides: Any
-) -> dict[str, Any]:
-  """The entries of ``arguments`` (then ``overrides``) that ``callee`` takes
-  as keyword-only arguments: a member's ``locals()`` handed on to its
-  direction or to ``route``, without a list of names to keep in step.
-  Positional parameters are passed by the caller (a name like
-  ``scale_by_moment2``'s ``method`` may mean something else there)."""
-  taken = {
-    name
-    for name, parameter in inspect.signature(callee).parameters.items()
-    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-  }
-  values = {**arguments, **overrides}
-  return {name: value for name, value in values.items() if name in taken}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Momentum:
+  """A member's momentum settings (``MomentumOptions``, ``mu_dtype``),
+  checked when built, each under its keyword's name (momentum's ``style``
+  is the family's ``momentum_style``)."""
 
+  beta: types.Numeric
+  nesterov: bool
+  momentum_style: types.MomentumStyle
+  mu_dtype: types.MomentumDtype
 
-def momentum_of(arguments: Mapping[str, Any]) -> optax.GradientTransformation:
-  """The momentum a member's ``arguments`` describe (its ``style`` and
-  ``dtype`` are the family's ``momentum_style`` and ``mu_dtype``)."""
-  return momentum_lib.momentum(
-    arguments["beta"],
-    nesterov=arguments["nesterov"],
-    style=arguments["momentum_style"],
-    dtype=arguments["mu_dtype"],
-    memory_budget=arguments["memory_budget"],
-  )
+  def __post_init__(self):
+    _checks.check_choice(
+      "momentum_style", self.momentum_style, momentum_lib.MOMENTUM_STYLES
+    )
+    momentum_lib.canonical_dtype("mu_dtype", self.mu_dtype, quantized=True)
 
-
-def solver_of(arguments: Mapping[str, Any]) -> batched.Solver:
-  """The Newton–Schulz solver a member's ``arguments`` describe: its
-  ``NewtonSchulzOptions`` and ``precision`` (mypy holds each of the group's
-  keywords to a ``Solver`` field)."""
-  return batched.Solver(
-    **pick(NewtonSchulzOptions, arguments), precision=arguments["precision"]
-  )
-
-
-def views_of(arguments: Mapping[str, Any]) -> Views:
-  """The matrix views a member's ``arguments`` describe."""
-  return Views(**forward(Views, arguments))
-
-
-def execution_of(arguments: Mapping[str, Any], **overrides: Any) -> Execution:
-  """Where and within which budget a member's ``arguments`` (then
-  ``overrides``) run the orthogonalization."""
-  return Execution(**forward(Execution, arguments, **overrides))
+  def transform(self, execution: Execution) -> optax.GradientTransformation:
+    """The momentum, its float32 work within ``execution``'s budget."""
+    return momentum_lib.momentum(
+      self.beta,
+      nesterov=self.nesterov,
+      style=self.momentum_style,
+      dtype=self.mu_dtype,
+      memory_budget=execution.memory_budget,
+    )
 
 
 class Orthogonalization(NamedTuple):
@@ -356,88 +327,43 @@ class Orthogonalization(NamedTuple):
     return scaling.shape_scaler(mode, self.views, self.solver, self.execution)
 
 
-def orthogonalization_of(
-  arguments: Mapping[str, Any], **overrides: Any
-) -> Orthogonalization:
-  """The orthogonalization a member's ``arguments`` (then ``overrides`` of
-  its ``Execution``) describe."""
-  return Orthogonalization(
-    solver_of(arguments),
-    views_of(arguments),
-    execution_of(arguments, **overrides),
+def layout_dimension_numbers(layout: Any, dimension_numbers: Any) -> Any:
+  """A direction's dimension numbers: its ``dimension_numbers``, or those of
+  its ``layout`` (``om.infer_layout``; not both)."""
+  return from_layout(layout, None, dimension_numbers)[1]
+
+
+def extra_scale(
+  scale_mode: types.ScaleMode,
+  extra_scale_factor: types.Numeric | None,
+  match_adamw_update_rms: bool,
+  adamw_beta1: types.Numeric,
+) -> Any:
+  """The factor after the shape scale (``extra_scale_factor``, or AdamW's
+  RMS from ``adamw_beta1``), ``scale_mode`` checked under its name."""
+  _checks.check_choice("scale_mode", scale_mode, shape_scale.SCALE_MODES)
+  return scaling.resolve_extra_scale_factor(
+    extra_scale_factor, match_adamw_update_rms, adamw_beta1
   )
 
 
-def orthogonalize_of(
-  arguments: Mapping[str, Any],
-) -> optax.GradientTransformation:
-  """The Newton–Schulz orthogonalization a member's ``arguments`` describe
-  (on the device: its state, if any, is the momentum's business)."""
-  return orthogonalization_of(arguments, state_memory_kind=None).orthogonalize()
-
-
-def arguments_of(
-  local_values: Mapping[str, Any], **overrides: Any
-) -> dict[str, Any]:
-  """A member's keywords as one mapping: its ``locals()`` (its
-  ``**scalar_kwargs``, if any, among them: a keyword there that is not
-  ``ScalarOptimizerOptions``' is a ``TypeError``, as Python's own), then
-  ``overrides``."""
-  values = dict(local_values)
-  scalar = values.pop("scalar_kwargs", {})
-  for name in scalar:
-    if name not in names(ScalarOptimizerOptions):
+def scalar_options(
+  scalar_kwargs: Mapping[str, Any],
+) -> ScalarOptimizerOptions:
+  """A member's ``**scalar_kwargs``, checked (a keyword there that is not
+  ``ScalarOptimizerOptions``' is a ``TypeError``, as Python's own), with
+  the group's defaults for the keywords not given."""
+  declared = signatures.declared(ScalarOptimizerOptions)
+  for name in scalar_kwargs:
+    if name not in declared:
       raise TypeError(
         f"got an unexpected keyword argument {name!r} (**scalar_kwargs "
-        f"takes {', '.join(names(ScalarOptimizerOptions))})"
+        f"takes {', '.join(declared)})"
       )
-  return {**values, **scalar, **overrides}
-
-
-def adam_b1_of(arguments: Mapping[str, Any]) -> Any:
-  """AdamW's β₁ among an optimizer-level member's keywords (given directly,
-  or in ``**scalar_kwargs``): what ``match_adamw_update_rms`` matches."""
-  given = arguments.get("scalar_kwargs") or {}
-  return arguments.get("adam_b1", given.get("adam_b1", 0.9))
-
-
-def routed_arguments(local_values: Mapping[str, Any]) -> dict[str, Any]:
-  """An optimizer-level member's keywords (``arguments_of``), its
-  ``layout`` read into the labels and dimension numbers it routes by."""
-  arguments = arguments_of(local_values, layout=None)
-  arguments["labels"], arguments["dimension_numbers"] = from_layout(
-    local_values["layout"],
-    arguments["labels"],
-    arguments["dimension_numbers"],
+  return typing.cast(
+    ScalarOptimizerOptions,
+    {
+      name: scalar_kwargs.get(name, default)
+      for name, (_, default) in declared.items()
+    },
   )
-  return arguments
-
-
-def direction_arguments(local_values: Mapping[str, Any]) -> dict[str, Any]:
-  """A direction's keywords (``arguments_of``), its ``layout`` read into its
-  dimension numbers."""
-  arguments = arguments_of(local_values, layout=None)
-  _, arguments["dimension_numbers"] = from_layout(
-    local_values["layout"], None, arguments["dimension_numbers"]
-  )
-  return arguments
-
-
-def scaled_direction_arguments(
-  local_values: Mapping[str, Any],
-) -> tuple[dict[str, Any], Any]:
-  """A shape-scaled direction's keywords (``arguments_of``: Muon's,
-  AdaptiveMuon's, Dion's, Dion2's), checked under the user's names, its
-  ``layout`` read into its dimension numbers; and the factor after the
-  shape scale (``extra_scale_factor``, or AdamW's RMS from
-  ``adamw_beta1``)."""
-  _checks.check_choice(
-    "scale_mode", local_values["scale_mode"], shape_scale.SCALE_MODES
-  )
-  arguments = direction_arguments(local_values)
-  extra = scaling.resolve_extra_scale_factor(
-    arguments["extra_scale_factor"],
-    arguments["match_adamw_update_rms"],
-    arguments["adamw_beta1"],
-  )
-  return arguments, extra
