@@ -14,10 +14,9 @@ why. A member hands its keywords on by name (as ``optax.contrib.muon``
 does to its ``scale_by_muon``) and builds its settings objects
 (``batched.Solver``, ``Views``, ``Execution``: ``Orthogonalization``) from
 its own parameters, once. ``tests/test_family_settings.py`` holds every
-member to it:
-each shared setting is accepted with ``scale_by_muon``'s (or ``muon``'s)
-default and annotation, unless ``DIFFERENT_DEFAULTS`` or
-``NOT_APPLICABLE`` says why not.
+member to it: each shared setting is accepted with ``scale_by_muon``'s (or
+``muon``'s) default and annotation, unless ``DIFFERENT_DEFAULTS`` or
+``NOT_APPLICABLE`` says why not, and reaches what checks it.
 """
 
 import dataclasses
