@@ -391,35 +391,50 @@ def test_a_stacks_part_divides_it_when_that_loses_at_most_half(
 
 
 @pytest.mark.parametrize(
-  "slice_items, count, ranks, peak, split",
+  "shape, ranks, cut",
   [
-    # by hand, each part padded to whole matrices for every rank: three
-    # stacks of 10 layers on 8 ranks, 2 a rank at a time: parts of 5
-    # layers (15 matrices) are 2 + 2 a rank, where alone each stack is 2
-    (3, 10, 8, 2, (5, 4)),
-    (3, 10, 8, 1, (2, 5)),  # 1 a rank at a time: 5 parts of 6 matrices
-    (3, 2, 8, 1, (2, 1)),  # 2 layers of 3 stacks: one part, 1 a rank
-    (3, 5, 4, 2, (2, 5)),  # 2 + 2 + 1 (4 parts of 1 would tie: fewer)
-    (9, 4, 4, 2, None),  # a single slice is 3 a rank
+    # by hand: the head fills whole matrices for every rank
+    ((10, 32, 64), 8, (8, 2)),  # 1 a rank, and 2
+    ((5, 32, 64), 4, (4, 1)),
+    ((8, 32, 64), 8, None),  # no remainder
+    ((6, 32, 64), 8, None),  # no head
+    # two matrices a slice (layers of 2 experts): 4 slices are 8
+    # matrices, 1 a rank
+    ((5, 2, 32, 64), 8, (4, 1)),
   ],
 )
-def test_stacks_split_together_in_the_parts_leaving_each_rank_least(
-  slice_items, count, ranks, peak, split
+def test_a_stack_that_leaves_a_remainder_is_cut_into_its_head_and_rest(
+  shape, ranks, cut
 ):
   from optax_muon._src.parallel import allgather
+  from optax_muon._src.parallel.leaves import Leaf
+  from optax_muon._src.views import layout
 
-  assert allgather.merged_part(slice_items, count, ranks, peak) == split
+  view = layout.matrix_view(shape, "leading")
+  x = jax.ShapeDtypeStruct(shape, jnp.float32)
+  leaf = Leaf(x, view, len(shape) - 1, 0, False)
+  member = allgather.WideMember(leaf, 0)
+  got = allgather.head_and_rest(member, ranks)
+  if cut is None:
+    assert got is None
+    return
+  head, rest = got
+  assert (head.x.shape[0], rest.x.shape[0]) == cut
+  assert head.slice == waves.Slice(0, 0, cut[0])
+  assert rest.slice == waves.Slice(0, cut[0], shape[0])
+  assert head.items % ranks == 0  # whole matrices for every rank
 
 
-@pytest.mark.parametrize("pipelined, per_rank", [(True, 5), (False, 6)])
-def test_stacks_that_each_leave_a_remainder_are_orthogonalized_together(
-  pipelined, per_rank, monkeypatch
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_stacks_that_each_leave_a_remainder_pool_their_rests(
+  pipelined, monkeypatch
 ):
   # three 5-layer stacks of one wide shape (an MLP's gate, up and down) on
   # TP 4, a budget of 1.5 matrices: alone each is ceil(5/4) = 2 matrices a
-  # rank, 6 in all; split together in parts of 2 layers, 2 + 2 + 1 = 5
-  # (one wave of everything: ceil(15/4) = 4). Not where the parts are not
-  # pipelined (TPUs: see allgather._merged). Exact against one wave.
+  # rank, 6 in all; cut into heads of 4 layers (1 a rank each) and rests
+  # of 1, pooled (3 matrices: 1 a rank), 4 in all, as one wave of
+  # everything: ceil(15/4) = 4. Where the parts are pipelined or not (TPUs).
+  # Exact against one wave.
   from optax_muon._src.parallel import allgather
 
   monkeypatch.setattr(allgather, "_pipelines", lambda tp: pipelined)
@@ -447,28 +462,32 @@ def test_stacks_that_each_leave_a_remainder_are_orthogonalized_together(
     b: _matmul_flops(build(b), sharded, optax.EmptyState())
     for b in (budget, 1 << 40)
   }
-  assert flops[budget] / flops[1 << 40] == pytest.approx(per_rank / 4)
+  assert flops[budget] / flops[1 << 40] == pytest.approx(4 / 4)
 
 
-def test_stacks_split_together_under_fsdp_homes_with_the_momentum_inside():
+def test_stacks_pool_their_rests_under_fsdp_homes_with_the_momentum_inside():
   # the same three stacks at 10 layers, their rows over "data" (FSDP), so
-  # each data rank is home to 5 layers of each: Muon's momentum computed
-  # inside the parts, two steps, equal to one wave; 5 matrices a rank
+  # each data rank is home to 5 layers of each, cut into heads and rests:
+  # Muon's momentum computed inside the tasks (each reads a slice of it),
+  # two steps, equal to one wave; 4 matrices a rank
   mesh = _mesh((2, 4))
-  keys = jax.random.split(jax.random.key(6), 6)
+  keys = jax.random.split(jax.random.key(6), 9)
   shapes = {"gate": (10, 32, 64), "up": (10, 32, 64), "down": (10, 64, 32)}
   specs = {
     "gate": P(None, "data", "model"),
     "up": P(None, "data", "model"),
     "down": P(None, "model", "data"),
   }
-  params, grads = (
+  # two independent gradients: the second a multiple of the first would
+  # make the two steps' directions ±1 times each other's, and a wrong
+  # layer order invisible in their sum
+  params, grads, more_grads = (
     _put(
       {k: normal(key, s) for (k, s), key in zip(shapes.items(), ks)},
       specs,
       mesh,
     )
-    for ks in (keys[:3], keys[3:])
+    for ks in (keys[:3], keys[3:6], keys[6:])
   )
   build = lambda budget: om.muon(
     0.02,
@@ -479,7 +498,7 @@ def test_stacks_split_together_under_fsdp_homes_with_the_momentum_inside():
 
   def two_steps(tx):
     state, p = tx.init(params), params
-    for g in (grads, jax.tree.map(lambda x: -0.5 * x, grads)):
+    for g in (grads, more_grads):
       updates, state = jax.jit(tx.update)(g, state, p)
       p = optax.apply_updates(p, updates)
     return p
@@ -490,4 +509,4 @@ def test_stacks_split_together_under_fsdp_homes_with_the_momentum_inside():
     b: _matmul_flops(build(b), grads, build(b).init(params), params)
     for b in (budget, 1 << 40)
   }
-  assert flops[budget] / flops[1 << 40] == pytest.approx(5 / 4)
+  assert flops[budget] / flops[1 << 40] == pytest.approx(4 / 4)

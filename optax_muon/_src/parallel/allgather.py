@@ -44,6 +44,7 @@ class WideMember:
 
   leaf: Leaf
   axis: int | None
+  slice: waves.Slice | None = None  # of the leaf, where it is one
 
   def __post_init__(self):
     self.x, self.view, self.tp_dim = (
@@ -290,33 +291,8 @@ def _task(
     owners=tuple(m.leaf.index for m in members),
     pipelined=_pipelines(tp),
     prepare_and_restore=prepare_and_restore,
+    slices=tuple(m.slice for m in members),
   )
-
-
-def merged_part(
-  slice_items: int, count: int, ranks: int, peak: int
-) -> tuple[int, int] | None:
-  """How to split one task over stacks of ``count`` slices, ``slice_items``
-  matrices in a slice of all of them: ``(part, per_rank)``, the part size
-  (in slices; a shorter last part where it does not divide ``count``) that
-  leaves each rank the fewest matrices to orthogonalize in all
-  (``per_rank``), the largest such, with at most ``peak`` matrices a rank
-  in any part; None where a single slice already exceeds ``peak``.
-
-  Each part is padded to a multiple of the ranks, so stacks that each leave
-  a remainder (10 layers on 8 ranks: 2 matrices a rank, one of them
-  mostly padding) are better split together: three such stacks in parts of
-  5 slices are 2 + 2 matrices a rank, where alone they are 2 + 2 + 2."""
-  best = None
-  for part in range(1, count + 1):
-    per_part = -(-slice_items * part // ranks)
-    if per_part > peak:
-      break
-    full, rest = divmod(count, part)
-    total = full * per_part + -(-slice_items * rest // ranks)
-    if best is None or total <= best[1]:
-      best = (part, total)
-  return best
 
 
 def _splits_alone(member: WideMember, quota: int) -> bool:
@@ -325,72 +301,77 @@ def _splits_alone(member: WideMember, quota: int) -> bool:
   return member.axis is not None and member.items >= 2 * quota
 
 
-def _merged(
-  members: list[WideMember], quota: int, tp: TensorParallel, solves: Solves
-) -> list[tuple[list[int], waves.Task]]:
-  """Tasks over the stacked members that would each run whole (not
-  ``_splits_alone``) split together along their common batch axis
-  (``merged_part``), where that leaves each rank fewer matrices, no more at
-  a time: each with its members' places in ``members``.
+def _sliced(member: WideMember, axis: int, start: int, stop: int) -> WideMember:
+  """Slices ``[start, stop)`` of a member stacked along ``axis``, as a
+  member."""
+  shape = list(member.x.shape)
+  shape[axis] = stop - start
+  leaf = dataclasses.replace(
+    member.leaf, x=jax.ShapeDtypeStruct(tuple(shape), member.x.dtype)
+  )
+  return WideMember(leaf, axis, waves.Slice(axis, start, stop))
 
-  Only where the parts are pipelined (``_pipelines``: not on TPUs).
-  Compiled for Llama-3-70B at FSDP 8 × TP 8 (10 layers a data rank, the MLP's
-  three stacks merged; jax 0.12.0.1), each chip's all-to-alls fall from
-  10.33 to 8.58 GiB on H100-64 and on v5p-64 alike, and on H100-64 its
-  Newton–Schulz from 330.4 to 242.4 TFLOP (read from the program) and its
-  temporaries 5.75 → 5.50 GiB; on v5p-64 the temporaries rise 4.35 → 8.28
-  GiB instead: its loop over the parts, not pipelined, keeps the three
-  stacks' inputs and results live together, where each task alone holds
-  only its own."""
-  if not _pipelines(tp):
-    return []
-  stacks: dict[tuple[int, int], list[int]] = {}
-  for place, member in enumerate(members):
-    if member.axis is not None and not _splits_alone(member, quota):
-      key = (member.axis, member.x.shape[member.axis])
-      stacks.setdefault(key, []).append(place)
-  tasks = []
-  for (_, count), places in stacks.items():
-    if len(places) < 2:
-      continue
-    group = [members[p] for p in places]
-    alone = [-(-m.items // tp.size) for m in group]
-    split = merged_part(
-      sum(m.items // count for m in group), count, tp.size, max(alone)
-    )
-    if split and split[1] < sum(alone):
-      tasks.append((places, _task(group, tp, solves, unit=split[0])))
-  return tasks
+
+def head_and_rest(
+  member: WideMember, ranks: int
+) -> tuple[WideMember, WideMember] | None:
+  """A stack that leaves a remainder over the ranks, cut into its head, the
+  slices that fill whole matrices for every rank, and the rest; None where
+  there is no such cut. Alone, 10 layers on 8 ranks are 2 matrices a rank,
+  the second mostly zero padding; its head is 1 a rank, and the rests of a
+  group's stacks are pooled (``_tasks``): three such stacks, 3 + 1."""
+  axis = member.axis
+  if axis is None or member.slice is not None:
+    return None
+  count = member.x.shape[axis]
+  unit = _allgather_unit(member, ranks)
+  head = count // unit * unit
+  if head in (0, count):
+    return None
+  return _sliced(member, axis, 0, head), _sliced(member, axis, head, count)
 
 
 def _tasks(
   members: list[WideMember], tp: TensorParallel, budget: int, solves: Solves
 ) -> list[waves.Task]:
-  """One task for the group when it fits the budget; else each stacked
-  member alone (split by the waves), stacks that would each run whole
-  split together where that leaves each rank fewer matrices (``_merged``),
-  and the others in parts of about one budget's worth of whole matrices
-  per rank."""
+  """One task for the group when it fits the budget; else each stack the
+  waves split alone a task of its own; stacks too large to pool whole that
+  leave a remainder over the ranks cut into their heads, each a task, and
+  their rests (``head_and_rest``: where two or more are, so that the rests
+  pool together); and the rest pooled, in tasks of about one budget's worth
+  of whole matrices per rank.
+
+  Compiled for Llama-3-70B at FSDP 8 × TP 8 (10 layers of the MLP's three
+  stacks a data rank; jax 0.12.0.1, ``benchmarks/at_scale.py``), the
+  program then runs the Newton–Schulz the cost model counts, 242.4 TFLOP a
+  chip: on v5p-64, where each stack ran alone (2 matrices a rank), it ran
+  330.4, at 4.35 GiB of temporaries, now 4.64; on H100-64, where the three
+  were split together along their layers (2 + 2 a rank, pipelined), the
+  temporaries fall 5.50 → 3.13 GiB (1 matrix a rank at a time)."""
   whole = _task(members, tp, solves)
   if whole.bytes <= budget:
     return [whole]
   per_matrix = members[0].whole_bytes(tp.size)
   quota = max(1, budget // per_matrix) * tp.size  # matrices per part
-  merged = _merged(members, quota, tp, solves)
-  first_of = {places[0]: task for places, task in merged}
-  in_merged = {place for places, _ in merged for place in places}
+  cuts = {}
+  for place, member in enumerate(members):
+    if not _splits_alone(member, quota) and member.items > quota:
+      cut = head_and_rest(member, tp.size)
+      if cut is not None:
+        cuts[place] = cut
+  if len(cuts) < 2:  # a rest alone takes as many matrices a rank as before
+    cuts = {}
   tasks: list[waves.Task] = []
   pool: list[WideMember] = []
   pooled = 0
   for place, member in enumerate(members):
-    if place in first_of:
-      tasks.append(first_of[place])
-    if place in in_merged:
-      continue
     if _splits_alone(member, quota):
       unit = _allgather_unit(member, tp.size)
       tasks.append(_task([member], tp, solves, unit))
       continue
+    if place in cuts:
+      head, member = cuts[place]
+      tasks.append(_task([head], tp, solves))
     if pool and pooled + member.items > quota:
       tasks.append(_task(pool, tp, solves))
       pool, pooled = [], 0

@@ -112,16 +112,24 @@ def orthogonalize_sharded(
     # per leaf, how its task reads it: moved inside (an ``fsdp.InTask``)
     # or made whole before (None)
     inside: list[Any] = [None] * len(local_leaves)
+    wholes: dict[int, jax.Array] = {}
+
+    def whole(i):  # once, however many tasks read slices of it
+      if i not in wholes:
+        wholes[i] = fsdp.make_whole(local_leaves[i], moves[i])
+      return wholes[i]
+
     part_sizes = waves.part_sizes(tasks, budget)
     for place, (task, part) in enumerate(zip(tasks, part_sizes)):
       owned = [moves[i] for i in task.owners]
       parts = task.count // part if part else 0
       in_task = fsdp.in_task(owned, task.axis, parts) if any(owned) else None
-      if in_task is None:
+      if in_task is None or any(task.slices):
         tasks[place] = dataclasses.replace(
           task,
           inputs=[
-            fsdp.make_whole(local_leaves[i], moves[i]) for i in task.owners
+            _sliced(task.slice_of(k), whole(i))
+            for k, i in enumerate(task.owners)
           ],
         )
         continue
@@ -141,22 +149,24 @@ def orthogonalize_sharded(
         for i in range(len(local_leaves))
       ]
       tasks = [
-        waves.with_state(task, [read[i] for i in task.owners], step)
+        waves.with_state(
+          task,
+          [
+            [_sliced(task.slice_of(k), a) for a in read[i]]
+            for k, i in enumerate(task.owners)
+          ],
+          step,
+        )
         for task in tasks
       ]
-    results: list[Any] = [None] * len(local_leaves)
-    new_states: list[Any] = [[] for _ in local_leaves]
-    for task, outputs in zip(tasks, waves.run(tasks, budget)):
-      outputs, task_states = waves.split_states(
-        outputs, [counts[i] for i in task.owners]
-      )
-      for index, out, arrays in zip(task.owners, outputs, task_states):
-        if inside[index] is None:
-          back = lambda a, i=index: fsdp.give_back(a, moves[i])
-        else:
-          back = inside[index].unarrange
-        results[index] = back(out)
-        new_states[index] = [back(a) for a in arrays]
+    given = _by_leaf(tasks, waves.run(tasks, budget), counts)
+    results: list[Any] = []
+    new_states: list[Any] = []
+    for index, pieces in enumerate(given):
+      back = _back(inside[index], moves[index])
+      out, arrays = _joined(pieces)
+      results.append(back(out))
+      new_states.append([back(a) for a in arrays])
     return tuple(results) + tuple(a for arrays in new_states for a in arrays)
 
   state_specs = tuple(
@@ -178,6 +188,46 @@ def orthogonalize_sharded(
   return list(out[: len(leaves)]), [
     [next(rest) for _ in range(n)] for n in counts
   ]
+
+
+def _by_leaf(tasks, outputs, counts) -> list[list[Any]]:
+  """Per leaf, what the tasks that read it gave back: ``(slice, output,
+  new state arrays)``, one entry unless it was read in slices."""
+  given: list[list[Any]] = [[] for _ in counts]
+  for task, out in zip(tasks, outputs):
+    own, states = waves.split_states(out, [counts[i] for i in task.owners])
+    for k, (index, o, arrays) in enumerate(zip(task.owners, own, states)):
+      given[index].append((task.slice_of(k), o, arrays))
+  return given
+
+
+def _back(inside, moves):
+  """How a leaf's result is laid out again as its input was: by its
+  ``fsdp.InTask`` where its task moved it, else given back to its homes."""
+  if inside is None:
+    return lambda a: fsdp.give_back(a, moves)
+  return inside.unarrange
+
+
+def _sliced(where: waves.Slice | None, x: jax.Array) -> jax.Array:
+  """The slice ``where`` of ``x``, or all of it."""
+  return x if where is None else where.of(x)
+
+
+def _joined(pieces) -> tuple[jax.Array, list[jax.Array]]:
+  """A leaf's output and new state arrays from the ``(slice, output,
+  state arrays)`` of the tasks that read it: their slices put together."""
+  if len(pieces) == 1:
+    _, out, arrays = pieces[0]
+    return out, list(arrays)
+  pieces = sorted(pieces, key=lambda piece: piece[0].start)
+  axis = pieces[0][0].axis
+  out = jnp.concatenate([o for _, o, _ in pieces], axis=axis)
+  arrays = [
+    jnp.concatenate(column, axis=axis)
+    for column in zip(*(a for _, _, a in pieces))
+  ]
+  return out, arrays
 
 
 def _moving_inside(

@@ -31,6 +31,7 @@ import numbers
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,18 @@ def newton_schulz_bytes(
 Solve = Callable[[list[jax.Array]], list[jax.Array]]
 
 
+class Slice(NamedTuple):
+  """The run ``[start, stop)`` of a leaf's batch axis ``axis`` that a task
+  reads (and writes), its other axes whole."""
+
+  axis: int
+  start: int
+  stop: int
+
+  def of(self, x: jax.Array) -> jax.Array:
+    return jax.lax.slice_in_dim(x, self.start, self.stop, axis=self.axis)
+
+
 @dataclasses.dataclass
 class Task:
   """Orthogonalization work that runs as one piece of a wave; ``run``
@@ -105,6 +118,9 @@ class Task:
       another at once, with one collective for both (a scheduler that runs
       one collective at a time then hides both); ``None``: the two
       called in turn.
+    slices: per owner, the ``Slice`` of its leaf that the input and output
+      are, or None (or no entry): the whole leaf. A leaf may be read in
+      slices by several tasks; the caller puts its outputs together.
   """
 
   inputs: Sequence[Any]
@@ -117,6 +133,11 @@ class Task:
   owners: tuple[int, ...] = ()
   pipelined: bool = False
   prepare_and_restore: Callable | None = None
+  slices: tuple[Slice | None, ...] = ()
+
+  def slice_of(self, place: int) -> Slice | None:
+    """The slice of its ``place``-th owner's leaf the task reads, if any."""
+    return self.slices[place] if place < len(self.slices) else None
 
   @property
   def count(self) -> int:
