@@ -30,16 +30,13 @@ import optax
 from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
-from optax_muon._src.kernels import batched
 from optax_muon._src.optimizers import registry
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
-from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms.moment2 import Moment2State
 from optax_muon._src.transforms.moment2 import scale_by_moment2
 from optax_muon._src.views.layout import from_layout
-from optax_muon._src.views.matrix_views import Views
 
 
 class AdaptiveMuonState(NamedTuple):
@@ -111,22 +108,19 @@ def scale_by_adaptive_muon(
       momentum_style=momentum_style,
       mu_dtype=mu_dtype,
     ),
-    settings.Orthogonalization(
-      batched.Solver(
-        coefficients=coefficients,
-        steps=steps,
-        precision=precision,
-        method=method,
-        preconditioning=preconditioning,
+    settings.Orthogonalization.of(
+      coefficients=coefficients,
+      steps=steps,
+      precision=precision,
+      method=method,
+      preconditioning=preconditioning,
+      dimension_numbers=settings.layout_dimension_numbers(
+        layout, dimension_numbers
       ),
-      Views(
-        dimension_numbers=settings.layout_dimension_numbers(
-          layout, dimension_numbers
-        ),
-        split_qkv=split_qkv,
-        split_gate_up=split_gate_up,
-      ),
-      Execution(sharding=sharding, memory_budget=memory_budget),
+      split_qkv=split_qkv,
+      split_gate_up=split_gate_up,
+      sharding=sharding,
+      memory_budget=memory_budget,
     ),
     scale_mode,
     settings.extra_scale(
@@ -255,20 +249,17 @@ def adaptive_muon(
       momentum_style=momentum_style,
       mu_dtype=mu_dtype,
     ),
-    settings.Orthogonalization(
-      batched.Solver(
-        coefficients=coefficients,
-        steps=steps,
-        precision=precision,
-        method=method,
-        preconditioning=preconditioning,
-      ),
-      Views(
-        dimension_numbers=dimension_numbers,
-        split_qkv=split_qkv,
-        split_gate_up=split_gate_up,
-      ),
-      Execution(sharding=sharding, memory_budget=memory_budget),
+    settings.Orthogonalization.of(
+      coefficients=coefficients,
+      steps=steps,
+      precision=precision,
+      method=method,
+      preconditioning=preconditioning,
+      dimension_numbers=dimension_numbers,
+      split_qkv=split_qkv,
+      split_gate_up=split_gate_up,
+      sharding=sharding,
+      memory_budget=memory_budget,
     ),
     scale_mode,
     settings.extra_scale(

@@ -36,19 +36,16 @@ from optax_muon._src.base import built
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
 from optax_muon._src.base.trees import pieces_structure
-from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import dion2_selection as selection
 from optax_muon._src.optimizers import dion2_step
 from optax_muon._src.optimizers import registry
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
 from optax_muon._src.parallel import tensor_parallel as sharding_lib
-from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import EXACT_MODES
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.transforms.momentum import canonical_dtype
 from optax_muon._src.views.layout import from_layout
-from optax_muon._src.views.matrix_views import Views
 
 SELECTION_SCOPES = ("local", "global")
 
@@ -144,22 +141,19 @@ def scale_by_dion2(
     microsoft/dion ``dion/dion2.py``, ``dion/nordion2.py``
   """
   return _scale_by_dion2(
-    settings.Orthogonalization(
-      batched.Solver(
-        coefficients=coefficients,
-        steps=steps,
-        precision=precision,
-        method=method,
-        preconditioning=preconditioning,
+    settings.Orthogonalization.of(
+      coefficients=coefficients,
+      steps=steps,
+      precision=precision,
+      method=method,
+      preconditioning=preconditioning,
+      dimension_numbers=settings.layout_dimension_numbers(
+        layout, dimension_numbers
       ),
-      Views(
-        dimension_numbers=settings.layout_dimension_numbers(
-          layout, dimension_numbers
-        ),
-        split_qkv=split_qkv,
-        split_gate_up=split_gate_up,
-      ),
-      Execution(sharding=sharding, memory_budget=memory_budget),
+      split_qkv=split_qkv,
+      split_gate_up=split_gate_up,
+      sharding=sharding,
+      memory_budget=memory_budget,
     ),
     mu_dtype,
     scale_mode,
@@ -325,20 +319,17 @@ def dion2(
   labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
   routing = settings.scalar_options(scalar_kwargs)
   direction = _scale_by_dion2(
-    settings.Orthogonalization(
-      batched.Solver(
-        coefficients=coefficients,
-        steps=steps,
-        precision=precision,
-        method=method,
-        preconditioning=preconditioning,
-      ),
-      Views(
-        dimension_numbers=dimension_numbers,
-        split_qkv=split_qkv,
-        split_gate_up=split_gate_up,
-      ),
-      Execution(sharding=sharding, memory_budget=memory_budget),
+    settings.Orthogonalization.of(
+      coefficients=coefficients,
+      steps=steps,
+      precision=precision,
+      method=method,
+      preconditioning=preconditioning,
+      dimension_numbers=dimension_numbers,
+      split_qkv=split_qkv,
+      split_gate_up=split_gate_up,
+      sharding=sharding,
+      memory_budget=memory_budget,
     ),
     mu_dtype,
     scale_mode,
@@ -424,20 +415,17 @@ def nordion2(
   labels, dimension_numbers = from_layout(layout, labels, dimension_numbers)
   routing = settings.scalar_options(scalar_kwargs)
   direction = _scale_by_dion2(
-    settings.Orthogonalization(
-      batched.Solver(
-        coefficients=coefficients,
-        steps=steps,
-        precision=precision,
-        method=method,
-        preconditioning=preconditioning,
-      ),
-      Views(
-        dimension_numbers=dimension_numbers,
-        split_qkv=split_qkv,
-        split_gate_up=split_gate_up,
-      ),
-      Execution(sharding=sharding, memory_budget=memory_budget),
+    settings.Orthogonalization.of(
+      coefficients=coefficients,
+      steps=steps,
+      precision=precision,
+      method=method,
+      preconditioning=preconditioning,
+      dimension_numbers=dimension_numbers,
+      split_qkv=split_qkv,
+      split_gate_up=split_gate_up,
+      sharding=sharding,
+      memory_budget=memory_budget,
     ),
     mu_dtype,
     scale_mode,

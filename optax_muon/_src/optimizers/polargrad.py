@@ -20,13 +20,10 @@ import optax
 
 from optax_muon._src.base import checks as _checks
 from optax_muon._src.base import types
-from optax_muon._src.kernels import batched
 from optax_muon._src.optimizers import settings
 from optax_muon._src.optimizers.route import route
-from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.views.layout import from_layout
-from optax_muon._src.views.matrix_views import Views
 
 
 class PolarGradState(NamedTuple):
@@ -79,22 +76,19 @@ def scale_by_polargrad(
       momentum_style=momentum_style,
       mu_dtype=mu_dtype,
     ),
-    settings.Orthogonalization(
-      batched.Solver(
-        coefficients=coefficients,
-        steps=steps,
-        precision=precision,
-        method=method,
-        preconditioning=preconditioning,
+    settings.Orthogonalization.of(
+      coefficients=coefficients,
+      steps=steps,
+      precision=precision,
+      method=method,
+      preconditioning=preconditioning,
+      dimension_numbers=settings.layout_dimension_numbers(
+        layout, dimension_numbers
       ),
-      Views(
-        dimension_numbers=settings.layout_dimension_numbers(
-          layout, dimension_numbers
-        ),
-        split_qkv=split_qkv,
-        split_gate_up=split_gate_up,
-      ),
-      Execution(sharding=sharding, memory_budget=memory_budget),
+      split_qkv=split_qkv,
+      split_gate_up=split_gate_up,
+      sharding=sharding,
+      memory_budget=memory_budget,
     ),
     extra_scale_factor,
   )
@@ -202,20 +196,17 @@ def polargrad(
       momentum_style=momentum_style,
       mu_dtype=mu_dtype,
     ),
-    settings.Orthogonalization(
-      batched.Solver(
-        coefficients=coefficients,
-        steps=steps,
-        precision=precision,
-        method=method,
-        preconditioning=preconditioning,
-      ),
-      Views(
-        dimension_numbers=dimension_numbers,
-        split_qkv=split_qkv,
-        split_gate_up=split_gate_up,
-      ),
-      Execution(sharding=sharding, memory_budget=memory_budget),
+    settings.Orthogonalization.of(
+      coefficients=coefficients,
+      steps=steps,
+      precision=precision,
+      method=method,
+      preconditioning=preconditioning,
+      dimension_numbers=dimension_numbers,
+      split_qkv=split_qkv,
+      split_gate_up=split_gate_up,
+      sharding=sharding,
+      memory_budget=memory_budget,
     ),
     extra_scale_factor,
   )

@@ -313,6 +313,44 @@ class Orthogonalization(NamedTuple):
   views: Views
   execution: Execution
 
+  @classmethod
+  def of(
+    cls,
+    *,
+    coefficients: types.Coefficients,
+    steps: types.Steps,
+    precision: types.Precision,
+    method: types.Method,
+    preconditioning: types.Preconditioning,
+    dimension_numbers: types.PerLeaf,
+    split_qkv: types.PerLeaf,
+    split_gate_up: types.PerLeaf,
+    sharding: TensorParallel | None,
+    memory_budget: int | None,
+    state_memory_kind: types.MemoryKind | None = None,
+  ) -> "Orthogonalization":
+    """The three objects from a member's keywords, each keyword to the one
+    object that takes it (``precision`` sets the solver's matmuls)."""
+    return cls(
+      batched.Solver(
+        coefficients=coefficients,
+        steps=steps,
+        precision=precision,
+        method=method,
+        preconditioning=preconditioning,
+      ),
+      Views(
+        dimension_numbers=dimension_numbers,
+        split_qkv=split_qkv,
+        split_gate_up=split_gate_up,
+      ),
+      Execution(
+        sharding=sharding,
+        memory_budget=memory_budget,
+        state_memory_kind=state_memory_kind,
+      ),
+    )
+
   def orthogonalize(self) -> optax.GradientTransformation:
     """The Newton–Schulz orthogonalization of each leaf's matrices."""
     return orthogonalize_lib.orthogonalizer(
