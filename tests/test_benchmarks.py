@@ -2,6 +2,7 @@
 themselves live in the README, measured by the full runs). gpu.sh --quick runs
 the four single-device benchmarks on the CPU, as it will on a GPU machine."""
 
+import functools
 import json
 import math
 import os
@@ -346,6 +347,29 @@ def test_at_scale_reads_the_exposed_time_and_the_share_of_a_step():
   assert base["optimizer_model_ms"] == pytest.approx(
     base["hlo_tflop"] * 1e12 / 1e11 * 1e3 + schedule["exposed_ms"]
   )
+
+
+def test_at_scale_donate_compiles_the_optimizers_half_of_a_step():
+  """--donate: the update applied to the params, params, gradients and state
+  donated, so the program holds the params as a training step does; the
+  update alone (Muon without weight decay does not read the params) has
+  them pruned from its arguments."""
+
+  def record(*extra):
+    out = _run(
+      "at_scale.py", "--quick", "--modes", "allgather", "--json", *extra
+    )
+    (only,) = [json.loads(line) for line in out.split("\n") if line]
+    return only
+
+  alone, step = record(), record("--donate")
+  gib = functools.partial(pytest.approx, rel=1e-3)
+  # (a few hundred bytes of scalars aside)
+  assert alone["argument_gib"] == gib(alone["grads_gib"] + alone["state_gib"])
+  assert step["argument_gib"] == gib(step["pgs_gib"])  # params, grads, state
+  # new params and state, written into the donated buffers
+  assert step["output_gib"] == gib(step["params_gib"] + step["state_gib"])
+  assert step["alias_gib"] == gib(step["output_gib"])
 
 
 def test_momentum_8bit_reports_the_gap_beside_the_spread():

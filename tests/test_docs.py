@@ -525,26 +525,31 @@ def test_the_fsdp_table_is_the_recorded_compile():
 
 
 def test_the_61_layer_deepseek_rows_are_the_recorded_compiles():
-  """docs/scaling.md's whole DeepSeek-V3 (61 layers, donated step) against
-  the v5p-64 compiles `benchmarks/at_scale.py --donate` wrote: each mode
-  compiled and fits the 95.74 GiB chip."""
+  """docs/scaling.md's whole DeepSeek-V3 (61 layers, the step's half)
+  against the v5p-64 compiles `benchmarks/at_scale.py --donate` wrote: with
+  bf16 momentum each mode compiled and fits the 95.74 GiB chip; with 8-bit
+  momentum the compiler refused, and the row says what it asked."""
   path = ROOT / "results" / "at_scale" / "tpu_v5p_64_deepseek_v3.jsonl"
   runs = [json.loads(line) for line in path.read_text().splitlines()]
   whole = [r for r in runs if r["model"] == "deepseek-v3"]
-  assert whole and all(r["donate"] and r["compiled"] for r in whole)
-  assert all(r["resident_gib"] <= 95.74 for r in whole)
+  assert whole and all(r["donate"] for r in whole)
+  plain = {r["mode"]: r for r in whole if r["momentum"] == "param"}
+  assert all(
+    r["compiled"] and r["resident_gib"] <= 95.74 for r in plain.values()
+  )
   page = (ROOT / "docs" / "scaling.md").read_text()
 
   row = functools.partial(_scaling_row, page)
 
-  plain = {r["mode"]: r for r in whole if r["momentum"] == "param"}
   modes = ("duplicated", "distributed", "allgather", "auto")
-  assert row("| 61 layers, compiled, grads and state donated") == [
+  assert row("| 61 layers, the step's half (`--donate`)") == [
     f"{plain[m]['pgs_gib']:.1f} / {plain[m]['temp_gib']:.2f}" for m in modes
   ]
   (eight,) = [r for r in whole if r["momentum"] == "8bit"]
-  assert row("| 61 layers, 8-bit momentum, donated")[2] == (
-    f"{eight['pgs_gib']:.1f} / {eight['temp_gib']:.2f}"
+  assert not eight["compiled"] and eight["resource_exhausted"]
+  asked = float(re.search(r"temporaries \((\d+\.\d+)G\)", eight["error"])[1])
+  assert row("| 61 layers, 8-bit momentum, the step's half")[2] == (
+    f"{eight['pgs_gib']:.1f} / refused ({asked:.1f} asked)"
   )
 
 
