@@ -10,7 +10,9 @@ DeepSeek-V3 on v5p-64 with EP 8 × TP 8 (its routed experts sharded over
 ``data``, the expert-parallel axis; attention and dense kernels replicated
 over it). Prints per case ``max ÷ mean`` of each data rank's FLOPs on real
 (not padding) matrices and the share of the homed slots that are padding
-(every rank runs its slots, padding included), or that no stack is homed.
+(every rank runs its slots, padding included); where no stack is homed
+over the axis but stacks are sharded over it (DeepSeek's experts), the
+ranks' ``max ÷ mean`` alone.
 """
 
 import json
@@ -58,7 +60,7 @@ def main(argv):
       for load in found
     ]
     if "--json" not in argv:
-      lines = [load.line() for load in found] or ["no stack is homed"]
+      lines = [load.line() for load in found] or ["nothing over a data axis"]
       print(f"{name}: " + "; ".join(lines))
   if "--json" in argv:
     print(json.dumps(records, indent=1))

@@ -75,3 +75,26 @@ def test_describe_shows_each_data_axis_load():
   )
   table = str(om.describe(params, dimension_numbers=DN, sharding=replicated))
   assert "homes over" not in table
+
+
+def test_a_stack_sharded_over_data_homes_nothing_and_is_even():
+  # experts (the stack's axis) over data, as expert parallelism shards
+  # them: each rank orthogonalizes its own 2 of the 8, plus the plain leaf
+  mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8])
+  params = {
+    "stack": jax.ShapeDtypeStruct((8, 16, 32), jnp.float32),
+    "plain": jax.ShapeDtypeStruct((16, 32), jnp.float32),
+  }
+  specs = {"stack": P("data", None, "model"), "plain": P(None, "model")}
+  tp = om.TensorParallel(mesh, "model", "allgather", specs=specs)
+  views = [view for _, _, view in layout.view_resolver(DN)(params)]
+  (loads,) = balance.rank_loads(tp, views, tp.leaf_specs(params), 5)
+  f = _flops(16, 32)
+  assert loads.axis == "data" and not loads.homed
+  assert loads.real == pytest.approx((3 * f,) * 4)
+  assert loads.imbalance == pytest.approx(1.0) and loads.padding == 0.0
+  tx = om.muon(0.1, dimension_numbers=DN, sharding=tp)
+  assert str(om.describe(params, optimizer=tx)).splitlines()[-1] == (
+    "stacks sharded over 'data' (4 ranks), none homed: each rank's "
+    "Newton–Schulz FLOPs, max ÷ mean 1.00"
+  )

@@ -508,5 +508,8 @@ def test_homes_balance_reports_each_data_ranks_load():
   )
   assert (at_512["ranks"], at_512["padding"]) == (64, 0.375)
   assert at_512["max_over_mean"] == pytest.approx(2 / 1.25)
-  # the routed experts are sharded over the expert axis itself: no homes
-  assert records["deepseek-v3, v5p-64 (EP 8 × TP 8)"] == []
+  # the routed experts are sharded over the expert axis itself: no homes,
+  # and every rank orthogonalizes its own 32 of 256 a layer
+  assert records["deepseek-v3, v5p-64 (EP 8 × TP 8)"] == [
+    {"axis": "data", "ranks": 8, "max_over_mean": 1.0, "padding": 0.0}
+  ]

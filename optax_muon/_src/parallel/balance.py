@@ -1,5 +1,6 @@
 """How evenly the FSDP homes share out the Newton–Schulz work over a data
-axis: each rank's load, for ``describe``.
+axis: each rank's load, for ``describe``; also over an axis that shards a
+stack's layers or experts (expert parallelism), which homes nothing.
 
 A stack homed over a data axis (``fsdp.FsdpMove``) is cut into equal
 contiguous blocks of ``slots`` layers a rank, padded with zero matrices at
@@ -30,12 +31,16 @@ class RankLoads:
       tensor-parallel group, however that group shares it).
     slots: per rank, FLOPs it runs, padding included (equal on every rank).
     padding: the share of the homed slots that are zero padding.
+    homed: whether some stack is homed over ``axis`` (otherwise its
+      stacks are sharded over it: each rank orthogonalizes its own layers
+      or experts).
   """
 
   axis: str
   real: tuple[float, ...]
   slots: float
   padding: float
+  homed: bool = True
 
   @property
   def imbalance(self) -> float:
@@ -45,6 +50,12 @@ class RankLoads:
 
   def line(self) -> str:
     """One line for ``describe``."""
+    if not self.homed:
+      return (
+        f"stacks sharded over {self.axis!r} ({len(self.real)} ranks), none "
+        f"homed: each rank's Newton–Schulz FLOPs, max ÷ mean "
+        f"{self.imbalance:.2f}"
+      )
     return (
       f"homes over {self.axis!r} ({len(self.real)} ranks): each rank's "
       f"Newton–Schulz FLOPs on real matrices, max ÷ mean "
@@ -61,11 +72,20 @@ def rank_loads(
 ) -> list[RankLoads]:
   """Each data axis's ``RankLoads`` for Muon leaves of global ``views``
   with normalized ``specs`` (``TensorParallel.leaf_specs``), ``steps``
-  Newton–Schulz steps; one entry per mesh axis that some stack is homed
-  over, in mesh order. A leaf not homed over an axis gives each of its
-  ranks the same work (repeated, or shared by ``distribute_over``)."""
+  Newton–Schulz steps; one entry per mesh axis other than the TP axis that
+  some stack is homed over or has its layers (experts) sharded over, in
+  mesh order. A leaf not homed over an axis gives each of its ranks the
+  same work (its own shard of a sharded stack; repeated, or shared by
+  ``distribute_over``)."""
   plans = [fsdp.moves(view, spec, tp) for view, spec in zip(views, specs)]
-  axes = {m.name for plan in plans for m in plan if m.home is not None}
+  homing = {m.name for plan in plans for m in plan if m.home is not None}
+  axes = homing | {
+    name
+    for view, spec in zip(views, specs)
+    for dim in view.batch_axes
+    for name in spec[dim]
+    if name != tp.axis
+  }
   found = []
   for axis in (a for a in tp.bound_mesh.axis_names if a in axes):
     ranks = tp.bound_mesh.shape[axis]
@@ -94,6 +114,12 @@ def rank_loads(
       padded += (home.padded - home.length) * rest
       homed += home.padded * rest
     found.append(
-      RankLoads(axis, tuple(real), slots, padded / homed if homed else 0.0)
+      RankLoads(
+        axis,
+        tuple(real),
+        slots,
+        padded / homed if homed else 0.0,
+        homed=axis in homing,
+      )
     )
   return found
