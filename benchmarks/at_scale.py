@@ -681,7 +681,9 @@ MUON_BP_PERIOD = 5
 DION_RANK_FRACTION = 0.25
 NOT_COUNTED = (
   "Per device, one optimizer update: params + grads + optimizer state + the "
-  "update's temporaries (temp). Not counted: activations, the forward and "
+  "update's temporaries (temp); with --donate, the update applied to the "
+  "params as a training step's optimizer half, params, grads and state "
+  "donated. Not counted: activations, the forward and "
   "backward pass, the framework's own buffers, so 'fits' says whether the "
   "optimizer's share fits a part, not the training step. Parts: "
   + ", ".join(f"{part[:-2]} GB = {g:.1f} GiB" for part, g in PARTS_GIB.items())
