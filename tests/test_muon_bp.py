@@ -170,3 +170,33 @@ def test_the_state_restores_and_the_run_continues_exactly():
     b = jax.jit(tx.update)(grads, copy, sharded)
   chex.assert_trees_all_equal(a, b)
   assert isinstance(optax.tree_utils.tree_get(state, "step"), jax.Array)
+
+
+def test_the_step_chooses_per_group_of_leaves_around_the_orthogonalization():
+  """One lax.cond per group of leaves within the memory budget: a budget
+  below either stack gives each its own (so a group's updates can leave
+  its branch and be applied before the next group's are made; one cond
+  over the whole update held them all), the default budget one for both."""
+  mesh = _mesh()
+  params, specs = _tree()
+  sharded = _put(params, specs, mesh)
+  tp = om.TensorParallel(mesh, mode="allgather")
+
+  def branches(**kwargs):
+    tx = om.muon_bp(
+      0.02, period=3, dimension_numbers="leading", sharding=tp, **kwargs
+    )
+    state = tx.init(sharded)
+    with jax.set_mesh(mesh):
+      hlo = jax.jit(tx.update).lower(sharded, state, sharded).as_text()
+    return hlo.count("stablehlo.case")
+
+  assert (branches(), branches(memory_budget=1024)) == (1, 2)
+
+
+def test_groups_keep_within_the_budget_in_order():
+  from optax_muon._src.parallel.block_steps import groups
+
+  assert groups([3, 3, 3, 10, 1], budget=6) == [[0, 1], [2], [3], [4]]
+  assert groups([], budget=6) == []
+  assert groups([7], budget=6) == [[0]]

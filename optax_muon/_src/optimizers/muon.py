@@ -157,13 +157,14 @@ def _scale_by_muon(
   def init_fn(params):
     return (*direction.init(params), shape.init(params), scale.init(params))
 
-  def update_fn(updates, state, params=None):
-    updates, first = direction.update(updates, state[:2], params)
-    updates, shaped = shape.update(updates, state[2], params)
+  def update_fn(updates, state, params=None, **extra_args):
+    # MuonBP's block_steps reach the orthogonalization and the shape scale
+    updates, first = direction.update(updates, state[:2], params, **extra_args)
+    updates, shaped = shape.update(updates, state[2], params, **extra_args)
     updates, scaled = scale.update(updates, state[3], params)
     return updates, (*first, shaped, scaled)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 @built.recorded

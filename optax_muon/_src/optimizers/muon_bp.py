@@ -16,7 +16,10 @@ sizes). A fused kernel split along its fan-out (``[gate | up]`` over TP
 ranks), whose shards are not whole matrices, is orthogonalized whole on
 block steps too. A block step is ``TensorParallel(mode="blockwise")``'s update, a
 full step the exact mode the sharding names; both read and write the same
-state, so only the step counter is added. Without ``sharding=`` the blocks
+state, so only the step counter is added. The step chooses between the two
+per group of leaves within the memory budget, around the orthogonalization
+and the shape scale only (``parallel.block_steps``), so that a step does not
+hold every leaf's update at once. Without ``sharding=`` the blocks
 are the shards that the params' types name on a mesh with Explicit axes
 (the full steps' mode then ``"auto"``); for arrays on no such mesh, or with
 one block per matrix, every step is Muon's.
@@ -31,6 +34,7 @@ import optax
 
 from optax_muon._src.optimizers import muon as alias
 from optax_muon._src.optimizers import registry
+from optax_muon._src.parallel.block_steps import BlockSteps
 from optax_muon._src.parallel.tensor_parallel import EXACT_MODES
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.tensor_parallel import check_sharding
@@ -43,35 +47,32 @@ class MuonBPState(NamedTuple):
   inner_state: optax.OptState
 
 
-def alternate(
-  every: optax.GradientTransformation,
-  otherwise: optax.GradientTransformation,
+def _block_periodic(
+  full: optax.GradientTransformation,
+  block: optax.GradientTransformation,
+  blockwise: TensorParallel,
   period: int,
-) -> optax.GradientTransformation:
-  """``every`` on steps ``0, period, 2·period, …``, ``otherwise`` on the
-  others; the two must keep states of the same structure (they share one).
-
-  Args:
-    every: the transformation of every ``period``-th step.
-    otherwise: the transformation of the steps between.
-    period: a positive int.
-
-  Returns:
-    An ``optax.GradientTransformation`` whose state is a ``MuonBPState``.
-  """
+) -> optax.GradientTransformationExtraArgs:
+  """``full`` (``om.muon`` in the full steps' sharding), whose
+  orthogonalization and shape scale run in ``blockwise`` except on steps
+  ``0, period, 2·period, …`` (``block_steps.BlockSteps``: the choice made
+  per group of leaves, so that no step holds every update at once).
+  ``block`` is ``om.muon`` in ``blockwise``: its init checks that
+  sharding on the params (nothing allocated)."""
+  full = optax.with_extra_args_support(full)
 
   def init_fn(params):
-    return MuonBPState(jnp.zeros([], jnp.int32), every.init(params))
+    jax.eval_shape(block.init, params)  # blockwise's checks, at init
+    return MuonBPState(jnp.zeros([], jnp.int32), full.init(params))
 
-  def update_fn(updates, state, params=None):
-    updates, inner = jax.lax.cond(
-      state.step % period == 0,
-      lambda: every.update(updates, state.inner_state, params),
-      lambda: otherwise.update(updates, state.inner_state, params),
+  def update_fn(updates, state, params=None, **extra_args):
+    steps = BlockSteps(state.step % period == 0, blockwise)
+    updates, inner = full.update(
+      updates, state.inner_state, params, block_steps=steps, **extra_args
     )
     return updates, MuonBPState(optax.safe_increment(state.step), inner)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def muon_bp(
@@ -146,7 +147,7 @@ def muon_bp(
     )
   )
   block = alias.muon(learning_rate, **dict(muon_kwargs, sharding=blockwise))
-  return alternate(full, block, period)
+  return _block_periodic(full, block, blockwise, period)
 
 
 def _from_config(config, learning_rate, **keywords):

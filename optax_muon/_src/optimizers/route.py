@@ -24,20 +24,22 @@ def matrices_only(params):
 
 def in_params_dtype(
   inner: optax.GradientTransformation,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """``inner`` with each update leaf cast to its parameter's dtype (Muon's
   float32 momentum would otherwise give float32 updates to bfloat16
-  params); the state is ``inner``'s own, so checkpoints are unchanged."""
+  params); the state is ``inner``'s own, so checkpoints are unchanged.
+  Extra arguments are passed on."""
+  inner = optax.with_extra_args_support(inner)
 
-  def update_fn(updates, state, params=None):
-    updates, state = inner.update(updates, state, params)
+  def update_fn(updates, state, params=None, **extra_args):
+    updates, state = inner.update(updates, state, params, **extra_args)
     if params is not None:
       updates = jax.tree.map(
         lambda u, p: u.astype(jax.numpy.result_type(p)), updates, params
       )
     return updates, state
 
-  return optax.GradientTransformation(inner.init, update_fn)
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def _mask_by_path(name, mask):

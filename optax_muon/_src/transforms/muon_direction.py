@@ -36,7 +36,7 @@ def momentum_orthogonalize(
   solver: batched.Solver,
   views: Views,
   execution: Execution,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """``optax.chain(momentum(beta, nesterov, style, dtype),
   orthogonalizer(solver, views, execution).transform)`` with each leaf's
   momentum computed in its wave; the state in
@@ -81,8 +81,8 @@ def momentum_orthogonalize(
       new_arrays = offload.to_host(new_arrays)
     return update.astype(g.dtype), new_arrays
 
-  def update_fn(updates, state, params=None):
-    del params
+  def update_fn(updates, state, params=None, *, block_steps=None, **extra):
+    del params, extra
     momentum_state, empty = state
     grads, treedef = jax.tree.flatten(updates)
     if quantized:
@@ -90,7 +90,7 @@ def momentum_orthogonalize(
       arrays = [[q.values, q.scales] for q in stored]
     else:
       arrays = [[b] for b in treedef.flatten_up_to(momentum_state.mu)]
-    out, new_arrays = run(updates, arrays, step)
+    out, new_arrays = run(updates, arrays, step, block_steps)
     if quantized:
       mu = quantize.from_leaves(
         treedef, [quantize.QuantizedArray(*a) for a in new_arrays]
@@ -100,4 +100,4 @@ def momentum_orthogonalize(
     new_state = momentum_state._replace(mu=mu)
     return out, (new_state, empty)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

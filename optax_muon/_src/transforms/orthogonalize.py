@@ -19,7 +19,7 @@ from optax_muon._src.base import paths as _paths
 from optax_muon._src.base import types
 from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import matrices
-from optax_muon._src.parallel import sharded
+from optax_muon._src.parallel import block_steps as block_steps_lib
 from optax_muon._src.parallel import waves
 from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
@@ -112,10 +112,12 @@ def orthogonalize(
 
 class Orthogonalizer(NamedTuple):
   """``orthogonalize``'s transform and its ``run(updates, states=None,
-  step=None)``, which the fused momentum (``muon_direction``) calls with the
-  momentum's state so that each leaf's momentum is computed in its wave."""
+  step=None, block_steps=None)``, which the fused momentum
+  (``muon_direction``) calls with the momentum's state so that each leaf's
+  momentum is computed in its wave. Both take MuonBP's ``block_steps``
+  (``parallel.block_steps``)."""
 
-  transform: optax.GradientTransformation
+  transform: optax.GradientTransformationExtraArgs
   run: Callable
 
 
@@ -169,26 +171,30 @@ def orthogonalizer(
       check_blocks(tp, viewed, tp.leaf_specs(params))
     return optax.EmptyState()
 
-  def run(updates, states=None, step=None):
+  def run(updates, states=None, step=None, block_steps=None):
     """The orthogonalized ``updates``; with ``states`` (per leaf, a list of
     state arrays) and ``step``, each leaf first computed from its gradient
     and state inside its wave (``waves.with_state``), and also the new
-    states."""
+    states; with ``block_steps``, MuonBP's choice of sharding."""
     viewed = views(updates)
     check_dtypes(viewed)
     leaves = [leaf for _, leaf, _ in viewed]
     treedef = jax.tree.structure(updates)
-    tp = resolve(sharding, leaves, [view for _, _, view in viewed])
+    leaf_views = [view for _, _, view in viewed]
+    tp = resolve(sharding, leaves, leaf_views)
     if tp is not None:
-      out = sharded.orthogonalize_sharded(
+      out = block_steps_lib.orthogonalize_sharded(
         leaves,
-        [view for _, _, view in viewed],
+        leaf_views,
         tp,
         tp.leaf_specs(updates),
         solver,
         execution,
         states,
         step,
+        block=None
+        if block_steps is None
+        else block_steps.bind(leaves, leaf_views, updates),
       )
       if states is None:
         return jax.tree.unflatten(treedef, out), None
@@ -218,8 +224,10 @@ def orthogonalizer(
       arrays for _, (arrays,) in done
     ]
 
-  def update_fn(updates, state, params=None):
-    del params
-    return run(updates)[0], state
+  def update_fn(updates, state, params=None, *, block_steps=None, **extra):
+    del params, extra
+    return run(updates, block_steps=block_steps)[0], state
 
-  return Orthogonalizer(optax.GradientTransformation(init_fn, update_fn), run)
+  return Orthogonalizer(
+    optax.GradientTransformationExtraArgs(init_fn, update_fn), run
+  )

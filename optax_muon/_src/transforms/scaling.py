@@ -81,42 +81,64 @@ def shape_scaler(
     views(params)
     return optax.EmptyState()
 
-  def scale_leaf(leaf, view, factors):
-    if len(set(factors)) == 1:
-      return leaf * jnp.asarray(factors[0], leaf.dtype)
+  def scale_leaf(leaf, view, factors, block_factors, full_step):
+    def factor(i, dtype):
+      full = jnp.asarray(factors[i], dtype)
+      if block_factors is None or block_factors[i] == factors[i]:
+        return full
+      # MuonBP: the factor of the shape this step orthogonalized
+      return jnp.where(full_step, full, jnp.asarray(block_factors[i], dtype))
+
+    if len(set(factors)) == 1 and len(set(block_factors or factors)) == 1:
+      return leaf * factor(0, leaf.dtype)
     pieces = view.to_matrices(leaf)
     return view.from_matrices(
-      [p * jnp.asarray(f, p.dtype) for p, f in zip(pieces, factors)],
-      like=leaf,
+      [p * factor(i, p.dtype) for i, p in enumerate(pieces)], like=leaf
     )
 
-  def update_fn(updates, state, params=None):
-    del params
+  def plans_under(tp, updates, leaves, leaf_views):
+    if tp is None:
+      return [plan.unsharded(view) for view in leaf_views]
+    return plan.plan_leaves(
+      tp,
+      leaf_views,
+      tp.leaf_specs(updates),
+      [jnp.dtype(x.dtype).itemsize for x in leaves],
+      solver.steps,
+      solver.precision,
+      solver.preconditioning,
+      execution.auto_limit,
+    )
+
+  def update_fn(updates, state, params=None, *, block_steps=None, **extra):
+    del params, extra
     leaf_views = [view for _, _, view in views(updates)]
     leaves = jax.tree.leaves(updates)
     tp = sharding_lib.resolve(execution.sharding, leaves, leaf_views)
     # each matrix scaled by the shape it was orthogonalized at
-    plans = (
-      [plan.unsharded(view) for view in leaf_views]
-      if tp is None
-      else plan.plan_leaves(
-        tp,
-        leaf_views,
-        tp.leaf_specs(updates),
-        [jnp.dtype(x.dtype).itemsize for x in leaves],
-        solver.steps,
-        solver.precision,
-        solver.preconditioning,
-        execution.auto_limit,
-      )
-    )
+    plans = plans_under(tp, updates, leaves, leaf_views)
+    block_plans: list = [None] * len(leaves)
+    full_step = None
+    if block_steps is not None and tp is not None:
+      block_tp = sharding_lib.resolve(block_steps.sharding, leaves, leaf_views)
+      if block_tp is not None:
+        block_plans = plans_under(block_tp, updates, leaves, leaf_views)
+        full_step = block_steps.full_step
     scaled = [
-      scale_leaf(leaf, view, leaf_plan.scales(mode))
-      for leaf, view, leaf_plan in zip(leaves, leaf_views, plans)
+      scale_leaf(
+        leaf,
+        view,
+        leaf_plan.scales(mode),
+        None if block_plan is None else block_plan.scales(mode),
+        full_step,
+      )
+      for leaf, view, leaf_plan, block_plan in zip(
+        leaves, leaf_views, plans, block_plans
+      )
     ]
     return jax.tree.unflatten(jax.tree.structure(updates), scaled), state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 _logger = logging.getLogger("optax_muon")
