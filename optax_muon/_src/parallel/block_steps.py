@@ -6,11 +6,11 @@ end, before any is applied: in a training step's optimizer half on a v5p-8
 compile of Llama-3-70B (TP 8) that was 47.4 GiB of temporaries, where the
 full step alone needs 8.75. So the choice is made per group of leaves
 within the memory budget (``groups``), around the orthogonalization only
-(the momentum and the AdamW group are shared): a group's updates leave its
-branch and are applied before the next group's are made (17.5 GiB there).
+(the momentum and the AdamW group are shared), so that a group's updates
+can leave its branch, and be applied, before the next group's are made
+(17.5 GiB there).
 """
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -18,9 +18,6 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from optax_muon._src.kernels import batched
-from optax_muon._src.parallel import sharded
-from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.tensor_parallel import resolve
 
@@ -78,57 +75,3 @@ def groups(sizes: Sequence[int], budget: int) -> list[list[int]]:
       found.append([index])
       total = size
   return found
-
-
-def orthogonalize_sharded(
-  leaves,
-  views,
-  tp: TensorParallel,
-  specs,
-  solver: batched.Solver,
-  execution: Execution,
-  states=None,
-  step=None,
-  block: Bound | None = None,
-):
-  """``sharded.orthogonalize_sharded``, or with ``block`` each group of
-  leaves (``groups``, within ``execution.wave_bytes``) under ``tp`` or
-  under the block steps', as ``block.full_step`` says."""
-
-  if block is None:
-    return sharded.orthogonalize_sharded(
-      leaves, views, tp, specs, solver, execution, states, step
-    )
-  sizes = [local_bytes(x, spec, tp) for x, spec in zip(leaves, specs)]
-  outs: list = [None] * len(leaves)
-  new_states: list = [None] * len(leaves)
-  for group in groups(sizes, execution.wave_bytes):
-
-    def under(each_tp, each_specs, group=group):
-      return sharded.orthogonalize_sharded(
-        _pick(group, leaves),
-        _pick(group, views),
-        each_tp,
-        _pick(group, each_specs),
-        solver,
-        execution,
-        None if states is None else _pick(group, states),
-        step,
-      )
-
-    out = jax.lax.cond(
-      block.full_step,
-      functools.partial(under, tp, specs),
-      functools.partial(under, block.tp, block.specs),
-    )
-    if states is not None:
-      out, own = out
-      for i, arrays in zip(group, own):
-        new_states[i] = arrays
-    for i, leaf in zip(group, out):
-      outs[i] = leaf
-  return outs if states is None else (outs, new_states)
-
-
-def _pick(group: list[int], items) -> list:
-  return [items[i] for i in group]

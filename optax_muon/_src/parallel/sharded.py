@@ -14,6 +14,7 @@ the memory budget (``waves``).
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -22,6 +23,7 @@ from jax.sharding import PartitionSpec
 
 from optax_muon._src.kernels import batched
 from optax_muon._src.parallel import allgather
+from optax_muon._src.parallel import block_steps
 from optax_muon._src.parallel import blockwise
 from optax_muon._src.parallel import distributed
 from optax_muon._src.parallel import duplicated
@@ -51,6 +53,7 @@ def orthogonalize_sharded(
   execution: Execution,
   states=None,
   step=None,
+  block: block_steps.Bound | None = None,
 ):
   """Orthogonalizes ``leaves`` (global arrays) under ``tp``; see the module.
 
@@ -68,11 +71,18 @@ def orthogonalize_sharded(
     solver: how each matrix is orthogonalized.
     execution: the waves' size (``wave_bytes``) and ``auto``'s limit
       (``auto_limit``).
+    block: MuonBP's block steps (``block_steps.Bound``): each group of
+      leaves within ``execution.wave_bytes`` under ``tp`` or under the
+      block steps' sharding, as ``block.full_step`` says.
 
   Returns:
     The orthogonalized leaves, sharded like the inputs; with ``states``,
     ``(leaves, new states)``.
   """
+  if block is not None:
+    return _full_or_block(
+      leaves, views, tp, specs, solver, execution, states, step, block
+    )
   counts = [0] * len(leaves) if states is None else [len(a) for a in states]
   budget = execution.wave_bytes
   plans = plan.plan_leaves(
@@ -188,6 +198,45 @@ def orthogonalize_sharded(
   return list(out[: len(leaves)]), [
     [next(rest) for _ in range(n)] for n in counts
   ]
+
+
+def _full_or_block(
+  leaves, views, tp, specs, solver, execution, states, step, block
+):
+  """``orthogonalize_sharded`` of each group of leaves (``block_steps.groups``)
+  in one ``lax.cond`` on ``block.full_step``."""
+  sizes = [
+    block_steps.local_bytes(x, spec, tp) for x, spec in zip(leaves, specs)
+  ]
+  outs: list[Any] = [None] * len(leaves)
+  new_states: list[Any] = [None] * len(leaves)
+  for group in block_steps.groups(sizes, execution.wave_bytes):
+
+    def under(each_tp, each_specs, group=group):
+      pick = lambda items: [items[i] for i in group]  # noqa: E731
+      return orthogonalize_sharded(
+        pick(leaves),
+        pick(views),
+        each_tp,
+        pick(each_specs),
+        solver,
+        execution,
+        None if states is None else pick(states),
+        step,
+      )
+
+    out = jax.lax.cond(
+      block.full_step,
+      functools.partial(under, tp, specs),
+      functools.partial(under, block.tp, block.specs),
+    )
+    if states is not None:
+      out, own = out
+      for i, arrays in zip(group, own):
+        new_states[i] = arrays
+    for i, leaf in zip(group, out):
+      outs[i] = leaf
+  return outs if states is None else (outs, new_states)
 
 
 def _by_leaf(tasks, outputs, counts) -> list[list[Any]]:

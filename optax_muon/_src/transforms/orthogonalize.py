@@ -19,7 +19,7 @@ from optax_muon._src.base import paths as _paths
 from optax_muon._src.base import types
 from optax_muon._src.kernels import batched
 from optax_muon._src.kernels import matrices
-from optax_muon._src.parallel import block_steps as block_steps_lib
+from optax_muon._src.parallel import sharded
 from optax_muon._src.parallel import waves
 from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
@@ -183,7 +183,7 @@ def orthogonalizer(
     leaf_views = [view for _, _, view in viewed]
     tp = resolve(sharding, leaves, leaf_views)
     if tp is not None:
-      out = block_steps_lib.orthogonalize_sharded(
+      out = sharded.orthogonalize_sharded(
         leaves,
         leaf_views,
         tp,
