@@ -200,3 +200,31 @@ def test_groups_keep_within_the_budget_in_order():
   assert groups([3, 3, 3, 10, 1], budget=6) == [[0, 1], [2], [3], [4]]
   assert groups([], budget=6) == []
   assert groups([7], budget=6) == [[0]]
+
+
+def test_an_8bit_momentum_streams_in_both_kinds_of_step():
+  """8-bit momentum is computed inside the waves (the streamed route): its
+  steps follow the exact mode's and blockwise's 8-bit runs."""
+  mesh = _mesh()
+  params, specs = _tree()
+  sharded = _put(params, specs, mesh)
+  tp = om.TensorParallel(mesh, mode="allgather")
+  eight = om.QuantizedMomentum()
+  bp = om.muon_bp(
+    0.02,
+    period=2,
+    dimension_numbers="leading",
+    sharding=tp,
+    weight_decay=0.1,
+    mu_dtype=eight,
+  )
+  got, _ = _steps(bp, sharded, 3, mesh)
+  exact, _ = _steps(_muon(tp, mu_dtype=eight), sharded, 3, mesh)
+  block, _ = _steps(
+    _muon(om.TensorParallel(mesh, mode="blockwise"), mu_dtype=eight),
+    sharded,
+    3,
+    mesh,
+  )
+  for t, want in enumerate((exact[0], block[1], exact[2])):
+    chex.assert_trees_all_close(got[t], want, atol=1e-6)
