@@ -96,13 +96,13 @@ def shape_scaler(
       [p * factor(i, p.dtype) for i, p in enumerate(pieces)], like=leaf
     )
 
-  def plans_under(tp, updates, leaves, leaf_views):
+  def plans_under(tp, specs, leaves, leaf_views):
     if tp is None:
       return [plan.unsharded(view) for view in leaf_views]
     return plan.plan_leaves(
       tp,
       leaf_views,
-      tp.leaf_specs(updates),
+      specs,
       [jnp.dtype(x.dtype).itemsize for x in leaves],
       solver.steps,
       solver.precision,
@@ -116,14 +116,19 @@ def shape_scaler(
     leaves = jax.tree.leaves(updates)
     tp = sharding_lib.resolve(execution.sharding, leaves, leaf_views)
     # each matrix scaled by the shape it was orthogonalized at
-    plans = plans_under(tp, updates, leaves, leaf_views)
+    specs = None if tp is None else tp.leaf_specs(updates)
+    plans = plans_under(tp, specs, leaves, leaf_views)
     block_plans: list = [None] * len(leaves)
     full_step = None
-    if block_steps is not None and tp is not None:
-      block_tp = sharding_lib.resolve(block_steps.sharding, leaves, leaf_views)
-      if block_tp is not None:
-        block_plans = plans_under(block_tp, updates, leaves, leaf_views)
-        full_step = block_steps.full_step
+    # MuonBP's block steps, bound as the orthogonalization binds them
+    block = (
+      None
+      if block_steps is None or tp is None
+      else block_steps.bind(leaves, leaf_views, updates)
+    )
+    if block is not None:
+      block_plans = plans_under(block.tp, block.specs, leaves, leaf_views)
+      full_step = block.full_step
     scaled = [
       scale_leaf(
         leaf,
