@@ -5,10 +5,9 @@ One ``jax.lax.cond`` over the whole update holds every leaf's update at its
 end, before any is applied: in a training step's optimizer half on a v5p-8
 compile of Llama-3-70B (TP 8) that was 47.4 GiB of temporaries, where the
 full step alone needs 8.75. So the choice is made per group of leaves
-within the memory budget (``groups``), around the orthogonalization only
-(the momentum and the AdamW group are shared), so that a group's updates
-can leave its branch, and be applied, before the next group's are made
-(17.5 GiB there).
+(``groups``), around the orthogonalization only (the momentum and the AdamW
+group are shared), so that a group's updates can leave its branch, and be
+applied, before the next group's are made (9.6 GiB there).
 """
 
 import math
@@ -20,6 +19,16 @@ import numpy as np
 
 from optax_muon._src.parallel.tensor_parallel import TensorParallel
 from optax_muon._src.parallel.tensor_parallel import resolve
+
+# A group's ``lax.cond`` holds its inputs and its outputs whole, and the TPU
+# compiler's conditional code motion can leave the outputs there twice
+# (hoisting the branches' layout copies): so a group is at most a quarter
+# of the memory budget. v5p-8 compile of Llama-3-8B stacked (TP 8, every
+# leaf in one group of the whole budget): 7.13 GiB of temporaries, 3.94
+# with half of it, 2.50 with a quarter; one leaf a group, 1.50, moved its
+# unstacked twin's collectives into 416 (H100-8: 27.1 ms of them, where a
+# quarter of the budget gives 50 and 8.1 ms).
+GROUP_SHARE = 4
 
 
 class Bound(NamedTuple):

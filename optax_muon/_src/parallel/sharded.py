@@ -203,25 +203,37 @@ def orthogonalize_sharded(
 def _full_or_block(
   leaves, views, tp, specs, solver, execution, states, step, block
 ):
-  """``orthogonalize_sharded`` of each group of leaves (``block_steps.groups``)
-  in one ``lax.cond`` on ``block.full_step``."""
+  """``orthogonalize_sharded`` of each group of leaves (``block_steps.groups``
+  of a ``block_steps.GROUP_SHARE`` of the budget) in one ``lax.cond`` on
+  ``block.full_step``.
+
+  A group's inputs pass through an optimization barrier: without it XLA's
+  conditional code motion (TPU compile of Llama-3-70B, TP 8) moved the
+  momentum's multiply-add into both branches, passing its scalar broadcast
+  to whole stacks as operands (17.5 GiB of temporaries in the step's half,
+  9.6 with the barrier)."""
   sizes = [
     block_steps.local_bytes(x, spec, tp) for x, spec in zip(leaves, specs)
   ]
   outs: list[Any] = [None] * len(leaves)
   new_states: list[Any] = [None] * len(leaves)
-  for group in block_steps.groups(sizes, execution.wave_bytes):
+  group_bytes = execution.wave_bytes // block_steps.GROUP_SHARE
+  for group in block_steps.groups(sizes, group_bytes):
+    pick = functools.partial(_pick, group)
+    operands = jax.lax.optimization_barrier(
+      (pick(leaves), None if states is None else pick(states))
+    )
 
-    def under(each_tp, each_specs, group=group):
-      pick = lambda items: [items[i] for i in group]  # noqa: E731
+    def under(each_tp, each_specs, operands, pick=pick):
+      group_leaves, group_states = operands
       return orthogonalize_sharded(
-        pick(leaves),
+        group_leaves,
         pick(views),
         each_tp,
         pick(each_specs),
         solver,
         execution,
-        None if states is None else pick(states),
+        group_states,
         step,
       )
 
@@ -229,6 +241,7 @@ def _full_or_block(
       block.full_step,
       functools.partial(under, tp, specs),
       functools.partial(under, block.tp, block.specs),
+      operands,
     )
     if states is not None:
       out, own = out
@@ -237,6 +250,10 @@ def _full_or_block(
     for i, leaf in zip(group, out):
       outs[i] = leaf
   return outs if states is None else (outs, new_states)
+
+
+def _pick(indices, items) -> list[Any]:
+  return [items[i] for i in indices]
 
 
 def _by_leaf(tasks, outputs, counts) -> list[list[Any]]:
