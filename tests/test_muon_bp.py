@@ -176,7 +176,9 @@ def test_the_step_chooses_per_group_of_leaves_around_the_orthogonalization():
   """One lax.cond per group of leaves within the memory budget: a budget
   below either stack gives each its own (so a group's updates can leave
   its branch and be applied before the next group's are made; one cond
-  over the whole update held them all), the default budget one for both."""
+  over the whole update held them all), the default budget one for both.
+  A group is at most a quarter of the budget: 16 KiB would hold both
+  stacks (8 and 2 KiB a device), its quarter holds neither with the other."""
   mesh = _mesh()
   params, specs = _tree()
   sharded = _put(params, specs, mesh)
@@ -192,6 +194,7 @@ def test_the_step_chooses_per_group_of_leaves_around_the_orthogonalization():
     return hlo.count("stablehlo.case")
 
   assert (branches(), branches(memory_budget=1024)) == (1, 2)
+  assert branches(memory_budget=16 * 1024) == 2
 
 
 def test_groups_keep_within_the_budget_in_order():
