@@ -46,12 +46,14 @@ TINY = {
 }
 
 
-# the losses agree to 1e-3 over 20 steps (Llama-2: 8.5e-4 at worst): a
-# different summation order in the sharded Newton–Schulz, grown by training.
+# the losses agree to 2e-3 over 20 steps: a different summation order in the
+# sharded Newton–Schulz, grown by training (Llama-2 at FSDP 2 × TP 2: 8.5e-4
+# at worst with jax 0.12.0.1, 1.16e-3 at step 6 of 20 with jax 0.12.1, 3.1e-4
+# of the loss).
 # DeepSeek's router turns such a rounding into another expert now and then:
 # 1.4e-3 at step 15 of 20, 3.1e-4 of the loss
 TOLERANCE = {"deepseek3": {"rtol": 5e-4}}
-_EXACT = {"atol": 1e-3}
+_EXACT = {"atol": 2e-3}
 
 
 def _run(tmp_path, model, fsdp, tp, *flags, extra=()):

@@ -68,7 +68,11 @@ class OrthogonalizeTest(chex.TestCase):
     for name, leaf in tree.items():
       expected = om.newton_schulz(leaf)
       assert out[name].dtype == leaf.dtype
-      chex.assert_trees_all_close(out[name], expected, atol=1e-6)
+      # a bf16 result to its own rounding (one ulp, 2⁻⁷ of the value at
+      # most): jax 0.12.1's jitted program rounded one of 384 elements the
+      # other way
+      rtol = 2**-7 if leaf.dtype == jnp.bfloat16 else 0.0
+      chex.assert_trees_all_close(out[name], expected, atol=1e-6, rtol=rtol)
 
   def test_one_batched_newton_schulz_per_shape(self):
     tree = {
