@@ -8,6 +8,8 @@ import os
 import pathlib
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 
 os.environ["XLA_FLAGS"] = (
@@ -42,6 +44,35 @@ if "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ:
 UNOPTIMIZED = jax.config.values["jax_disable_most_optimizations"]
 
 ROOT = pathlib.Path(__file__).parents[1]
+
+
+def benchmark_env() -> dict:
+  """The environment a benchmark runs in: without the tests' XLA_FLAGS (it
+  compiles as users' programs do), with ``PYTHON`` for the shell scripts."""
+  return dict(os.environ, XLA_FLAGS="", PYTHON=sys.executable)
+
+
+def call_benchmark(
+  script: str, *args: str, cwd=ROOT, timeout: int = 600
+) -> subprocess.CompletedProcess:
+  """``benchmarks/<script>`` with ``args`` run in ``cwd``, as it exited."""
+  return subprocess.run(
+    [sys.executable, str(ROOT / "benchmarks" / script), *args],
+    capture_output=True,
+    text=True,
+    cwd=cwd,
+    timeout=timeout,
+    env=benchmark_env(),
+  )
+
+
+def run_benchmark(script: str, *args: str, timeout: int = 600) -> str:
+  """``benchmarks/<script>`` with ``args``; its stdout, once it exited 0."""
+  result = call_benchmark(script, *args, timeout=timeout)
+  assert result.returncode == 0, result.stderr[-2000:]
+  return result.stdout
+
+
 DATA = ROOT / "tests" / "data"
 
 

@@ -5,7 +5,6 @@ the four single-device benchmarks on the CPU, as it will on a GPU machine."""
 import functools
 import json
 import math
-import os
 import pathlib
 import re
 import subprocess
@@ -14,6 +13,9 @@ import sys
 import pytest
 
 from conftest import ROOT
+from conftest import benchmark_env as _env
+from conftest import call_benchmark as _call
+from conftest import run_benchmark as _run
 
 pytestmark = pytest.mark.integration
 
@@ -56,29 +58,6 @@ def _check(name, lines):
       for number in _numbers(record[key]):
         assert math.isfinite(number) and number >= 0, (key, record)
   return records
-
-
-def _env():
-  return dict(os.environ, XLA_FLAGS="", PYTHON=sys.executable)
-
-
-def _call(script: str, *args: str, cwd=ROOT) -> subprocess.CompletedProcess:
-  """``benchmarks/<script>`` with ``args`` run in ``cwd``, as it exited."""
-  return subprocess.run(
-    [sys.executable, str(ROOT / "benchmarks" / script), *args],
-    capture_output=True,
-    text=True,
-    cwd=cwd,
-    timeout=600,
-    env=_env(),
-  )
-
-
-def _run(script: str, *args: str) -> str:
-  """``benchmarks/<script>`` with ``args``; its stdout, once it exited 0."""
-  result = _call(script, *args)
-  assert result.returncode == 0, result.stderr[-2000:]
-  return result.stdout
 
 
 @pytest.mark.slow  # two minutes; the next test runs the compat row alone

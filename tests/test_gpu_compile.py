@@ -5,13 +5,12 @@ elsewhere (CI installs it in neither run: 5.5 GB; see CONTRIBUTING.md)."""
 import importlib.util
 import json
 import math
-import os
-import subprocess
 import sys
 
 import pytest
 
 from conftest import ROOT
+from conftest import run_benchmark
 
 pytestmark = [
   pytest.mark.integration,
@@ -23,26 +22,17 @@ pytestmark = [
 
 
 def test_the_h100_compile_gathers_the_matrices_once():
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  result = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "benchmarks" / "at_scale.py"),
-      "--quick",
-      "--target",
-      "h100-8",
-      "--modes",
-      "duplicated,allgather",
-      "--json",
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
+  stdout = run_benchmark(
+    "at_scale.py",
+    "--quick",
+    "--target",
+    "h100-8",
+    "--modes",
+    "duplicated,allgather",
+    "--json",
     timeout=900,
-    env=env,
   )
-  assert result.returncode == 0, result.stderr[-2000:]
-  records = {r["mode"]: r for r in map(json.loads, result.stdout.splitlines())}
+  records = {r["mode"]: r for r in map(json.loads, stdout.splitlines())}
   sys.path.insert(0, str(ROOT / "benchmarks"))
   from at_scale import llama_tree  # the tree the script compiled
 

@@ -4,14 +4,11 @@ skipped elsewhere (CI installs it in neither run; see CONTRIBUTING.md)."""
 
 import importlib.util
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import run_benchmark
 
 pytestmark = [
   pytest.mark.integration,
@@ -22,26 +19,11 @@ pytestmark = [
 ]
 
 
-def _at_scale(tmp_path, *flags: str) -> list[dict]:
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  result = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "benchmarks" / "at_scale.py"),
-      "--stacked",
-      "--target",
-      "tpu-v5p-8",
-      "--json",
-      *flags,
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    env=env,
-    timeout=600,
+def _at_scale(*flags: str) -> list[dict]:
+  stdout = run_benchmark(
+    "at_scale.py", "--stacked", "--target", "tpu-v5p-8", "--json", *flags
   )
-  assert result.returncode == 0, result.stderr[-2000:]
-  return [json.loads(line) for line in result.stdout.splitlines()]
+  return [json.loads(line) for line in stdout.splitlines()]
 
 
 def _instruction(hlo: str, name: str) -> str:
@@ -54,9 +36,7 @@ def test_muon_bp_branches_take_no_broadcast_operands(tmp_path):
   # XLA's conditional code motion, left alone, moves the momentum's
   # multiply-add into both branches: the conditional then takes its scalars
   # broadcast to whole stacks as operands
-  _at_scale(
-    tmp_path, "--quick", "--modes", "muon_bp", "--dump-hlo", str(tmp_path)
-  )
+  _at_scale("--quick", "--modes", "muon_bp", "--dump-hlo", str(tmp_path))
   hlo = (tmp_path / "muon_bp.hlo").read_text()
   conditionals = re.findall(
     r"^\s*%\S+ = .*? conditional\(%[^,]+, (%[^,]+), (%[^,)]+)\)", hlo, re.M
@@ -69,12 +49,12 @@ def test_muon_bp_branches_take_no_broadcast_operands(tmp_path):
         assert " broadcast(" not in _instruction(hlo, name[1:]), name
 
 
-def test_muon_bp_keeps_near_its_larger_program_at_8b(tmp_path):
+def test_muon_bp_keeps_near_its_larger_program_at_8b():
   # a group's conditional holds its inputs and outputs whole (and the TPU
   # compiler may keep its outputs twice): groups of a quarter of the 2 GiB
   # budget keep the choice within half of it of the larger of the two
   # programs (one group of the whole budget needed 7.13 GiB)
-  records = {r["mode"]: r for r in _at_scale(tmp_path, "--modes", "muon_bp")}
+  records = {r["mode"]: r for r in _at_scale("--modes", "muon_bp")}
   larger = max(
     records["allgather"]["temp_gib"], records["blockwise"]["temp_gib"]
   )
