@@ -138,3 +138,60 @@ def test_a_planted_violation_is_caught(tmp_path, module, planted):
   target = copy / module
   target.write_text(planted + target.read_text())
   assert len(violations(copy)) == 1, violations(copy)
+
+
+def _frames_to_the_newton_schulz_loop(tx, params, monkeypatch):
+  """The calls from ``tx.update`` to ``newton_schulz.iterate`` (the loop),
+  as (function, file) pairs, outermost first; jax's own (``shard_map``'s
+  machinery, which differs between jax versions) left out."""
+  import inspect
+
+  from optax_muon._src.kernels import newton_schulz
+
+  iterate = newton_schulz.iterate
+  seen = []
+
+  def spy(*args, **kwargs):
+    seen.append(inspect.stack()[1:])
+    return iterate(*args, **kwargs)
+
+  monkeypatch.setattr(newton_schulz, "iterate", spy)
+  state = tx.init(params)
+
+  def update():  # the frame the count starts below
+    return tx.update(params, state, params)
+
+  update()
+  (stack,) = seen[:1]
+  names = [frame.function for frame in stack]
+  return [
+    (frame.function, pathlib.Path(frame.filename).name)
+    for frame in reversed(stack[: names.index("update")])
+    if "jax" not in pathlib.Path(frame.filename).parts
+  ]
+
+
+# the sharded path's two more: the shard_map it enters and its body
+@pytest.mark.parametrize("mode, calls", [(None, 8), ("allgather", 10)])
+def test_tx_update_reaches_the_newton_schulz_loop_in_eight_calls(
+  mode, calls, monkeypatch
+):
+  # every call between is a frame in each trace and each traceback a user
+  # reads (issue 59): optax's partition and mask, the muon chain, the
+  # direction, the orthogonalization, the waves, the batched stacks, the
+  # preconditioning; a planted wrapper anywhere on the way fails this
+  import jax
+  import jax.numpy as jnp
+
+  import optax_muon as om
+
+  sharding = None
+  if mode is not None:
+    mesh = jax.make_mesh((8,), ("model",), devices=jax.devices()[:8])
+    sharding = om.TensorParallel(mesh, axis="model", mode=mode)
+  params = {"w": jnp.ones((16, 32)), "b": jnp.ones(32)}
+  frames = _frames_to_the_newton_schulz_loop(
+    om.muon(0.02, sharding=sharding), params, monkeypatch
+  )
+  assert frames[0] == ("update_fn", "_combining.py"), frames  # optax's
+  assert len(frames) <= calls, frames

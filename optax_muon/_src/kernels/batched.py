@@ -119,23 +119,6 @@ def _chunks(groups, sizes, ranks: int = 1):
     yield chunk
 
 
-def _solve_stack(stack: jax.Array, solver: Solver) -> jax.Array:
-  """Newton–Schulz of a ``(batch, m, n)`` stack of wide matrices."""
-  m, n = stack.shape[-2:]
-  s = solver
-  if s.method == "gram" and gram.gram_saves_flops(m, n):
-    return gram.iterate_gram(
-      ns.precondition(
-        stack, s.preconditioning, s.eps, s.precision, add_eps=s.add_eps
-      ),
-      s.table,
-      s.mode,
-      s.steps,
-      s.precision,
-    )
-  return ns.precondition_and_iterate(stack, s)
-
-
 def orthogonalize_matrices(
   matrices: list[jax.Array],
   solver: Solver,
@@ -169,7 +152,21 @@ def orthogonalize_matrices(
         jax.lax.axis_index(distribute_axis) * (padded // ranks),
         padded // ranks,
       )
-    stack = _solve_stack(stack, solver)
+    # Newton–Schulz, inline: each call on the way to the loop is a frame
+    m, n = stack.shape[-2:]
+    if solver.method == "gram" and gram.gram_saves_flops(m, n):
+      s = solver
+      stack = gram.iterate_gram(
+        ns.precondition(
+          stack, s.preconditioning, s.eps, s.precision, add_eps=s.add_eps
+        ),
+        s.table,
+        s.mode,
+        s.steps,
+        s.precision,
+      )
+    else:
+      stack = ns.precondition_and_iterate(stack, solver)
     if distribute_axis is not None:
       stack = jax.lax.all_gather(stack, distribute_axis, tiled=True)[:count]
     offsets = np.cumsum([0] + [x.shape[0] for x in inputs])

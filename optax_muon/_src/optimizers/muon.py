@@ -135,7 +135,8 @@ def _scale_by_muon(
   ``scale_by_muon`` or ``muon``: the pieces share them, so the plan they
   read (``parallel.plan``) is decided once per leaf."""
   execution = orthogonalization.execution
-  if execution.streams(momentum.mu_dtype):  # momentum in its wave
+  streams = execution.streams(momentum.mu_dtype)
+  if streams:  # momentum in its wave
     direction = muon_direction.momentum_orthogonalize(
       momentum.beta,
       nesterov=momentum.nesterov,
@@ -146,20 +147,32 @@ def _scale_by_muon(
       execution=execution,
     )
   else:
-    direction = optax.chain(
-      momentum.transform(execution), orthogonalization.orthogonalize()
-    )
-  # optax.chain(direction, shape, scale) with chain(momentum, orthogonalize)'s
-  # state kept flat: (MomentumState, EmptyState, EmptyState, EmptyState)
+    accumulate = momentum.transform(execution)
+    orthogonalize = orthogonalization.orthogonalizer()
   shape = orthogonalization.scale_by_shape(scale_mode)
   scale = optax.scale(extra)
 
+  # optax.chain(momentum, orthogonalize, shape, scale)'s state, flat:
+  # (MomentumState, EmptyState, EmptyState, EmptyState); the pieces are
+  # called in turn rather than through nested chains, one frame each
   def init_fn(params):
-    return (*direction.init(params), shape.init(params), scale.init(params))
+    if streams:
+      first = direction.init(params)
+    else:
+      first = (accumulate.init(params), orthogonalize.transform.init(params))
+    return (*first, shape.init(params), scale.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
     # MuonBP's block_steps reach the orthogonalization and the shape scale
-    updates, first = direction.update(updates, state[:2], params, **extra_args)
+    if streams:
+      updates, first = direction.update(
+        updates, state[:2], params, **extra_args
+      )
+    else:
+      updates, mu = accumulate.update(updates, state[0], params)
+      block_steps = extra_args.get("block_steps")
+      updates, _ = orthogonalize.run(updates, block_steps=block_steps)
+      first = (mu, state[1])
     updates, shaped = shape.update(updates, state[2], params, **extra_args)
     updates, scaled = scale.update(updates, state[3], params)
     return updates, (*first, shaped, scaled)

@@ -22,24 +22,32 @@ def matrices_only(params):
   return jax.tree.map(lambda x: jax.numpy.ndim(x) >= 2, params)
 
 
-def in_params_dtype(
-  inner: optax.GradientTransformation,
+def chain_in_params_dtype(
+  *transforms: optax.GradientTransformation,
 ) -> optax.GradientTransformationExtraArgs:
-  """``inner`` with each update leaf cast to its parameter's dtype (Muon's
-  float32 momentum would otherwise give float32 updates to bfloat16
-  params); the state is ``inner``'s own, so checkpoints are unchanged.
-  Extra arguments are passed on."""
-  inner = optax.with_extra_args_support(inner)
+  """``optax.chain(*transforms)`` with each update leaf cast to its
+  parameter's dtype at the end (Muon's float32 momentum would otherwise give
+  float32 updates to bfloat16 params); the state is ``optax.chain``'s tuple
+  of the transforms' states, so checkpoints are unchanged. Extra arguments
+  are passed on. One function, not a chain inside a cast: each call between
+  ``tx.update`` and the Newton–Schulz loop is a frame of every trace."""
+  transforms = tuple(optax.with_extra_args_support(t) for t in transforms)
+
+  def init_fn(params):
+    return tuple(t.init(params) for t in transforms)
 
   def update_fn(updates, state, params=None, **extra_args):
-    updates, state = inner.update(updates, state, params, **extra_args)
+    new_state = []
+    for transform, inner in zip(transforms, state):
+      updates, inner = transform.update(updates, inner, params, **extra_args)
+      new_state.append(inner)
     if params is not None:
       updates = jax.tree.map(
         lambda u, p: u.astype(jax.numpy.result_type(p)), updates, params
       )
-    return updates, state
+    return updates, tuple(new_state)
 
-  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _mask_by_path(name, mask):
@@ -106,21 +114,18 @@ def route(
   _checks.check_range("adam_b1", adam_b1, 0.0, 1.0)
   _checks.check_range("adam_b2", adam_b2, 0.0, 1.0)
   _checks.check_range("adam_eps", adam_eps, 0.0, np.inf)
-  muon_chain = (
-    optax.chain(direction, kept(muon_step))
-    if muon_step
-    else (
-      optax.chain(
-        direction,
-        kept(
-          optax.add_decayed_weights(
-            weight_decay, _mask_by_path("weight_decay_mask", weight_decay_mask)
-          )
-        ),
-        kept(optax.scale_by_learning_rate(learning_rate)),
-      )
+  if muon_step:
+    muon_chain = chain_in_params_dtype(direction, kept(muon_step))
+  else:
+    muon_chain = chain_in_params_dtype(
+      direction,
+      kept(
+        optax.add_decayed_weights(
+          weight_decay, _mask_by_path("weight_decay_mask", weight_decay_mask)
+        )
+      ),
+      kept(optax.scale_by_learning_rate(learning_rate)),
     )
-  )
   scalar_lr = (
     learning_rate if adam_learning_rate is None else adam_learning_rate
   )
@@ -139,7 +144,7 @@ def route(
     scalar_chain = optax.lion(scalar_lr, **shared)
   return optax.partition(
     {
-      labels_lib.MUON: in_params_dtype(muon_chain),
+      labels_lib.MUON: muon_chain,
       labels_lib.ADAM: kept(scalar_chain),
       labels_lib.NONE: optax.set_to_zero(),
     },

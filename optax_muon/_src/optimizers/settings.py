@@ -351,11 +351,16 @@ class Orthogonalization(NamedTuple):
       ),
     )
 
-  def orthogonalize(self) -> optax.GradientTransformation:
-    """The Newton–Schulz orthogonalization of each leaf's matrices."""
+  def orthogonalizer(self) -> orthogonalize_lib.Orthogonalizer:
+    """The Newton–Schulz orthogonalization of each leaf's matrices: the
+    transform and its ``run``."""
     return orthogonalize_lib.orthogonalizer(
       self.solver, self.views, self.execution
-    ).transform
+    )
+
+  def orthogonalize(self) -> optax.GradientTransformation:
+    """The Newton–Schulz orthogonalization of each leaf's matrices."""
+    return self.orthogonalizer().transform
 
   def scale_by_shape(
     self, mode: types.ScaleMode

@@ -319,24 +319,6 @@ def _waves(tasks: Sequence[Task], budget: int) -> list[tuple[list[int], int]]:
   return waves
 
 
-def _solve(tasks, inputs):
-  """Outputs of whole ``tasks`` on ``inputs``, one call of each ``solve``."""
-  prepared = [task.prepare(x) for task, x in zip(tasks, inputs)]
-  by_solve: dict[Solve, list[int]] = {}
-  for index, task in enumerate(tasks):
-    by_solve.setdefault(task.solve, []).append(index)
-  solved: list[Any] = [None] * len(tasks)
-  for solve, members in by_solve.items():
-    flat = [m for i in members for m in prepared[i][0]]
-    out = iter(solve(flat))
-    for i in members:
-      solved[i] = [next(out) for _ in prepared[i][0]]
-  return [
-    task.restore(matrices, context)
-    for task, matrices, (_, context) in zip(tasks, solved, prepared)
-  ]
-
-
 def _stages(task: Task):
   """A task's stages for a loop over its parts: ``gather`` (``prepare``:
   slices → matrices made whole, and the context), ``solve``
@@ -511,7 +493,21 @@ def run(tasks: Sequence[Task], budget: int) -> list[Sequence[jax.Array]]:
     else:
       if one is not None:
         inputs = jax.tree.map(lambda x: x * one.astype(x.dtype), inputs)
-      outputs = _solve(wave, inputs)
+      # whole tasks, one call of each solve (inline: a frame fewer on the
+      # way to the Newton–Schulz loop)
+      prepared = [task.prepare(x) for task, x in zip(wave, inputs)]
+      by_solve: dict[Solve, list[int]] = {}
+      for index, task in enumerate(wave):
+        by_solve.setdefault(task.solve, []).append(index)
+      solved: list[Any] = [None] * len(wave)
+      for solve, members in by_solve.items():
+        solved_flat = iter(solve([m for i in members for m in prepared[i][0]]))
+        for i in members:
+          solved[i] = [next(solved_flat) for _ in prepared[i][0]]
+      outputs = [
+        task.restore(matrices, context)
+        for task, matrices, (_, context) in zip(wave, solved, prepared)
+      ]
     for i, out in zip(places, outputs):
       results[i] = out
     previous = outputs
