@@ -8,6 +8,8 @@ by om.infer_layout; 8-bit momentum trains and its state is sharded. Needs
 MaxText (Python >= 3.12: pip install -e ".[maxtext]" && pip install
 --no-deps maxtext==0.2.5)."""
 
+import fcntl
+import hashlib
 import json
 import os
 import subprocess
@@ -101,14 +103,40 @@ def _run(tmp_path, model, fsdp, tp, *flags, extra=()):
   )
 
 
-def _losses(tmp_path, model, fsdp, tp, *flags, extra=()):
-  """The losses MaxText wrote, step by step, at full precision."""
-  result = _run(tmp_path, model, fsdp, tp, *flags, extra=extra)
-  assert result.returncode == 0, result.stderr[-3000:]
-  with open(tmp_path / "metrics.jsonl") as lines:
-    losses = [json.loads(line)["learning/loss"] for line in lines]
-  assert len(losses) == STEPS, result.stderr[-3000:]
-  return np.array(losses)
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, worker_id):
+  """A folder all of this session's xdist workers share: a MaxText run that
+  two tests ask for (the same model, mesh, flags) runs once."""
+  base = tmp_path_factory.getbasetemp()
+  return base if worker_id == "master" else base.parent
+
+
+def _losses(runs, model, fsdp, tp, *flags, extra=()):
+  """The losses MaxText wrote, step by step, at full precision: the run's,
+  or those of the same run another test (or worker) made first."""
+  # the flags in a canonical order, the adapter's defaults written out
+  # (--maxtexts-own, which takes no value, runs MaxText's optimizer alone)
+  canonical = list(flags)
+  if "--maxtexts-own" not in flags:
+    named = dict(zip(flags[::2], flags[1::2]))
+    named = {"--tp-mode": "auto", "--routing": "auto", **named}
+    canonical = sorted(named.items())
+  arguments = (model, fsdp, tp, canonical, list(extra))
+  folder = (
+    runs / hashlib.sha256(json.dumps(arguments).encode()).hexdigest()[:16]
+  )
+  folder.mkdir(parents=True, exist_ok=True)
+  with open(folder / "lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another worker's run of it: waited for
+    done = folder / "losses.json"
+    if not done.exists():
+      result = _run(folder / "run", model, fsdp, tp, *flags, extra=extra)
+      assert result.returncode == 0, result.stderr[-3000:]
+      with open(folder / "run" / "metrics.jsonl") as lines:
+        losses = [json.loads(line)["learning/loss"] for line in lines]
+      assert len(losses) == STEPS, result.stderr[-3000:]
+      done.write_text(json.dumps(losses))
+  return np.array(json.loads(done.read_text()))
 
 
 @pytest.mark.parametrize(
@@ -122,57 +150,53 @@ def _losses(tmp_path, model, fsdp, tp, *flags, extra=()):
   ],
 )
 def test_installed_muon_trains_as_maxtexts_own_in_an_exact_mode(
-  tmp_path, model, fsdp, tp, mode, routing
+  runs, model, fsdp, tp, mode, routing
 ):
-  ours = _losses(
-    tmp_path / "ours", model, fsdp, tp, "--tp-mode", mode, "--routing", routing
-  )
-  theirs = _losses(tmp_path / "theirs", model, fsdp, tp, "--maxtexts-own")
+  ours = _losses(runs, model, fsdp, tp, "--tp-mode", mode, "--routing", routing)
+  theirs = _losses(runs, model, fsdp, tp, "--maxtexts-own")
   np.testing.assert_allclose(ours, theirs, **TOLERANCE.get(model, _EXACT))
   assert ours[-1] < ours[0] - 1.0  # it trains: llama2 7.46 -> 3.48
   if mode == "duplicated":
     # and it is optax_muon that runs: blockwise orthogonalizes each shard
-    blockwise = _losses(
-      tmp_path / "blockwise", model, fsdp, tp, "--tp-mode", "blockwise"
-    )
+    blockwise = _losses(runs, model, fsdp, tp, "--tp-mode", "blockwise")
     assert np.abs(blockwise - theirs).max() > 0.05
 
 
 def test_install_lets_muon_through_maxtexts_gate_routed_by_inference(
-  tmp_path,
+  tmp_path, runs
 ):
   refused = _run(tmp_path / "theirs", "mistral", 2, 2, "--maxtexts-own")
   assert refused.returncode != 0
   assert "Muon dimension numbers haven't been tested" in refused.stderr
-  ours = _losses(tmp_path / "ours", "mistral", 2, 2, "--tp-mode", "auto")
+  ours = _losses(runs, "mistral", 2, 2, "--tp-mode", "auto")
   assert ours[-1] < ours[0] - 1.0
 
 
-def test_8bit_momentum_trains_on_fsdp_and_tp(tmp_path):
+def test_8bit_momentum_trains_on_fsdp_and_tp(runs):
   quantized = _losses(
-    tmp_path / "8bit", "llama2", 2, 2, "--tp-mode", "auto", "--mu-dtype", "8bit"
+    runs, "llama2", 2, 2, "--tp-mode", "auto", "--mu-dtype", "8bit"
   )
-  full = _losses(tmp_path / "fp32", "llama2", 2, 2, "--tp-mode", "auto")
+  full = _losses(runs, "llama2", 2, 2, "--tp-mode", "auto")
   assert quantized[-1] < quantized[0] - 1.0
   # the momentum is rounded, not lost: within 2% of float32's losses
   np.testing.assert_allclose(quantized, full, rtol=2e-2)
   assert not np.array_equal(quantized, full)  # and it is 8-bit that ran
 
 
-def test_8bit_state_offloaded_to_the_host_trains_as_on_the_device(tmp_path):
+def test_8bit_state_offloaded_to_the_host_trains_as_on_the_device(runs):
   # MaxText's optimizer_memory_host_offload keeps the state in host memory
   # and moves it to the device inside the step, by the state's shardings:
   # the 8-bit scales' fitted ones among them
   flags = ("--tp-mode", "auto", "--mu-dtype", "8bit")
   offloaded = _losses(
-    tmp_path / "host",
+    runs,
     "llama2",
     2,
     2,
     *flags,
     extra=("optimizer_memory_host_offload=true",),
   )
-  on_device = _losses(tmp_path / "device", "llama2", 2, 2, *flags)
+  on_device = _losses(runs, "llama2", 2, 2, *flags)
   np.testing.assert_array_equal(offloaded, on_device)
 
 
