@@ -171,10 +171,15 @@ def _frames_to_the_newton_schulz_loop(tx, params, monkeypatch):
   ]
 
 
-# the sharded path's two more: the shard_map it enters and its body
-@pytest.mark.parametrize("mode, calls", [(None, 8), ("allgather", 10)])
+# the sharded path's two more: the shard_map it enters and its body; the
+# streamed momentum (8-bit, or offloaded) one more: the transform that
+# computes each leaf's momentum in its wave
+@pytest.mark.parametrize(
+  "mode, quantized, calls",
+  [(None, False, 8), ("allgather", False, 10), (None, True, 9)],
+)
 def test_tx_update_reaches_the_newton_schulz_loop_in_eight_calls(
-  mode, calls, monkeypatch
+  mode, quantized, calls, monkeypatch
 ):
   # every call between is a frame in each trace and each traceback a user
   # reads (issue 59): optax's partition and mask, the muon chain, the
@@ -190,8 +195,9 @@ def test_tx_update_reaches_the_newton_schulz_loop_in_eight_calls(
     mesh = jax.make_mesh((8,), ("model",), devices=jax.devices()[:8])
     sharding = om.TensorParallel(mesh, axis="model", mode=mode)
   params = {"w": jnp.ones((16, 32)), "b": jnp.ones(32)}
+  mu_dtype = om.QuantizedMomentum() if quantized else None
   frames = _frames_to_the_newton_schulz_loop(
-    om.muon(0.02, sharding=sharding), params, monkeypatch
+    om.muon(0.02, sharding=sharding, mu_dtype=mu_dtype), params, monkeypatch
   )
   assert frames[0] == ("update_fn", "_combining.py"), frames  # optax's
   assert len(frames) <= calls, frames
