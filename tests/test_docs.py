@@ -172,6 +172,39 @@ def test_the_muon_bp_paragraph_is_the_recorded_runs():
   assert f"Its step costs {ratio:.2f}× Muon's" in page
 
 
+def test_the_overlap_limit_sentence_is_the_recorded_compile():
+  """docs/performance.md's figures under XLA's collective overlap limit, on
+  the H100-64 compile of Llama-3-70B (FSDP 8 x TP 8, allgather), against
+  the runs that wrote them; at XLA's default limit (1) they are the FSDP
+  table's own allgather row, compiled the same way."""
+  path = ROOT / "results" / "at_scale" / "h100_64_70b_overlap_limit.jsonl"
+  runs = [json.loads(line) for line in path.read_text().splitlines()]
+  flag = "--xla_gpu_experimental_parallel_collective_overlap_limit="
+  by_limit = {int(r["xla_flags"].removeprefix(flag)): r for r in runs}
+  assert sorted(by_limit) == [1, 2, 4]
+  exposed = {
+    n: f"{r['schedule']['exposed_ms']:.1f}" for n, r in by_limit.items()
+  }
+  temp = {n: f"{r['temp_gib']:.2f}" for n, r in by_limit.items()}
+  share = {n: f"{100 * r['step_share']:.2f}" for n, r in by_limit.items()}
+  page = " ".join((ROOT / "docs" / "performance.md").read_text().split())
+  sentence = (
+    f"exposed {exposed[1]} → {exposed[2]} ms at N = 2 and {exposed[4]} ms at"
+    f" N = 4, temp {temp[1]} → {temp[2]} and {temp[4]} GiB, share"
+    f" {share[1]} → {share[2]} and {share[4]} %"
+  )
+  assert sentence in page, sentence
+  table = ROOT / "results" / "at_scale" / "h100_64_70b_fsdp.jsonl"
+  (default,) = [
+    json.loads(line)
+    for line in table.read_text().splitlines()
+    if json.loads(line)["mode"] == "allgather"
+  ]
+  for key in ("temp_gib", "step_share", "hlo_tflop"):
+    assert by_limit[1][key] == pytest.approx(default[key], rel=1e-9), key
+  assert by_limit[1]["schedule"] == pytest.approx(default["schedule"])
+
+
 def test_the_dion2_paragraph_is_the_recorded_runs():
   """docs/performance.md's Dion2 figures on the small preset, against
   results/small_dion2/summary.json: at fraction 1 Dion2 is Muon without
