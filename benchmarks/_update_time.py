@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
 from optax_muon._src.parallel import cost
+from optax_muon._src.parallel.execution import Execution
 from optax_muon._src.parallel.rates import rates_of  # noqa: F401 (re-exported)
 from optax_muon._src.views import layout
 
@@ -51,6 +52,7 @@ def formula(
   and for ``auto`` how many leaves took each mode."""
   views, specs, tp = muon_leaves(flat, mesh, distribute_over)
   itemsizes = [itemsize] * len(views)
+  wave_bytes = Execution(memory_budget=budget).wave_bytes
   chosen = None
   if mode == "auto":
     choices = cost.leaf_choices(
@@ -62,6 +64,7 @@ def formula(
       precision,
       "frobenius",
       budget,
+      wave_bytes,
     )
     costs = [
       next(c for c in choice.costs if c.runs == choice.mode)
@@ -73,7 +76,9 @@ def formula(
   else:
     groups = cost.group_items(views, specs, itemsizes, tp)
     costs = [
-      cost.mode_costs(v, s, itemsize, tp, STEPS, precision, g, [mode])[0]
+      cost.mode_costs(
+        v, s, itemsize, tp, STEPS, precision, g, [mode], wave_bytes
+      )[0]
       for v, s, g in zip(views, specs, groups)
     ]
   return {

@@ -18,6 +18,7 @@ from conftest import ROOT
 from conftest import nnx_losses
 from conftest import normal
 from conftest import tp_mlp
+from optax_muon._src.parallel import allgather
 from optax_muon._src.parallel import cost
 from optax_muon._src.parallel import rates as rates_lib
 from optax_muon._src.parallel import waves
@@ -625,3 +626,75 @@ def test_allgather_moves_its_elements_at_the_leafs_own_itemsize(
   assert (
     _hlo.collective_bytes(hlo)["all-to-all"] == 2 * 16 * 32 * 64 // 8 * itemsize
   )
+
+
+@pytest.mark.parametrize("link_bytes", [1e9, 1e11], ids=["exposed", "hidden"])
+def test_a_pipelined_stack_hides_its_transfers_under_its_other_parts(
+  monkeypatch, link_bytes
+):
+  """``allgather``'s modeled time counts the overlap of its pipelined parts
+  (``waves._pipelined_parts``), as the schedule reader does: a stack of 64
+  matrices of 64 × 128 over 8 ranks is 8 whole matrices a rank; a wave
+  budget of three matrices' pieces cuts them into 4 parts of 2 (pipelined:
+  three parts in flight), each part's transfers ``c`` beside a neighbour's
+  Newton–Schulz ``s``. Counted by hand: exposed ``c + 2 max(0, c/2 − s) +
+  2 max(0, c − s)``; in one part, or where parts are not pipelined (TPUs),
+  all of it."""
+  rates = om.DeviceRates(1e10, 1e10, 1e10, link_bytes=link_bytes, latency=0)
+  tp = om.TensorParallel(_mesh(), mode="auto", rates=rates)
+  shape, itemsize = (64, 64, 128), 4
+  view = layout.matrix_view(shape, "leading")
+  (spec,) = tp.leaf_specs(
+    {
+      "w": jax.ShapeDtypeStruct(
+        shape,
+        "float32",
+        sharding=NamedSharding(tp.mesh, P(None, None, "model")),
+      )
+    }
+  )
+  compute = 8 * 5 * (4 * 64**2 * 128 + 2 * 64**3) / 1e10
+  transfer = 2 * 8 * 64 * 128 * itemsize * 7 / 8 / link_bytes
+  c, s = transfer / 4, compute / 4
+  exposed = c + 2 * max(0.0, c / 2 - s) + 2 * max(0.0, c - s)
+  piece = waves.newton_schulz_bytes(64, 128, 1, itemsize) + 2 * 4 * 64 * 128
+
+  def seconds(wave_bytes):
+    (found,) = cost.mode_costs(
+      view, spec, itemsize, tp, 5, "highest", None, ["allgather"], wave_bytes
+    )
+    return found.seconds
+
+  assert seconds(3 * piece) == pytest.approx(compute + exposed, rel=1e-12)
+  assert exposed < transfer
+  # the whole stack in one wave (the default 2 GiB): nothing to hide under
+  assert seconds(waves.DEFAULT_MEMORY_BUDGET) == pytest.approx(
+    compute + transfer, rel=1e-12
+  )
+  # not pipelined (TPUs): all of it, whatever the parts
+  monkeypatch.setattr(allgather, "pipelines", lambda tp: False)
+  assert seconds(3 * piece) == pytest.approx(compute + transfer, rel=1e-12)
+
+
+def test_the_waves_cut_a_stack_into_the_parts_the_model_counts():
+  """``waves.parts_of``, which the cost model reads, is how the planner
+  cuts a split task (``waves.part_sizes``): 8 slices of 1000 bytes, each
+  budget from 2 to 9 slices' bytes, pipelined (three parts in flight) or
+  not; a task within its budget runs whole (one part)."""
+  piece = 1000
+  for pipelined in (True, False):
+    task = waves.Task(
+      [jax.ShapeDtypeStruct((8, 4, 4), "float32")],
+      None,
+      None,
+      None,
+      8 * piece,
+      0,
+      pipelined=pipelined,
+    )
+    for budget in range(2 * piece, 10 * piece, piece):
+      (size,) = waves.part_sizes([task], budget)
+      parts = -(-8 // size) if size else 1
+      assert waves.parts_of(8, piece, budget, pipelined) == parts, budget
+  assert waves.parts_of(8, piece, 3 * piece, pipelined=True) == 4
+  assert waves.parts_of(8, piece, 5 * piece, pipelined=False) == 2

@@ -437,7 +437,7 @@ def test_stacks_that_each_leave_a_remainder_pool_their_rests(
   # Exact against one wave.
   from optax_muon._src.parallel import allgather
 
-  monkeypatch.setattr(allgather, "_pipelines", lambda tp: pipelined)
+  monkeypatch.setattr(allgather, "pipelines", lambda tp: pipelined)
   mesh = _mesh((2, 4))
   keys = jax.random.split(jax.random.key(5), 3)
   params = {

@@ -342,7 +342,7 @@ def test_the_schedule_reader_prices_a_group_across_nodes_at_the_network():
 )
 def test_parts_are_pipelined_but_on_tpus(kind, pipelined):
   # the TPU compiler runs these collectives synchronously and took minutes
-  # over the pipelined loop (see allgather._pipelines)
+  # over the pipelined loop (see allgather.pipelines)
   import types
 
   import numpy as np
@@ -353,7 +353,7 @@ def test_parts_are_pipelined_but_on_tpus(kind, pipelined):
   tp = types.SimpleNamespace(
     mesh=types.SimpleNamespace(devices=np.array([device]))
   )
-  assert allgather._pipelines(tp) is pipelined
+  assert allgather.pipelines(tp) is pipelined
 
 
 def test_the_matmul_reader_counts_dots_convolutions_and_loops():

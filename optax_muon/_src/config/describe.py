@@ -183,7 +183,7 @@ def describe(
   if sharding is not None:
     muon_views = [view_of[p] for p, _ in muon_pairs]
     specs = sharding.leaf_specs(muon_only)
-    auto_limit = Execution(memory_budget=memory_budget).auto_limit
+    execution = Execution(memory_budget=memory_budget)
     plans = plan_lib.plan_leaves(
       sharding,
       muon_views,
@@ -192,7 +192,8 @@ def describe(
       steps,
       precision,
       preconditioning,
-      auto_limit,
+      execution.auto_limit,
+      execution.wave_bytes,
     )
     plan_of = {path: p for (path, _), p in zip(muon_pairs, plans)}
     # how evenly stacks homed over a data axis share out the work

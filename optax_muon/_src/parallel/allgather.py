@@ -203,7 +203,7 @@ class _Relayout:
     )
 
 
-def _pipelines(tp: TensorParallel) -> bool:
+def pipelines(tp: TensorParallel) -> bool:
   """Whether a split stack's parts run pipelined (``waves``): a part's
   all-to-all and the last one's back, as one, under the Newton–Schulz
   between them. On an H100-8 compile of Llama-3-70B's stacks that hides 80 %
@@ -289,7 +289,7 @@ def _task(
     first.axis if unit else None,
     unit or 1,
     owners=tuple(m.leaf.index for m in members),
-    pipelined=_pipelines(tp),
+    pipelined=pipelines(tp),
     prepare_and_restore=prepare_and_restore,
     slices=tuple(m.slice for m in members),
   )

@@ -17,7 +17,12 @@ steps and ``P`` tensor-parallel ranks, per device:
   step all-reduces the fp32 Gram matrix, ``2 (P−1)/P · 4 m²`` bytes;
 * ``allgather``: a group of ``G`` same-shape matrices, ``⌈G/P⌉`` whole ones
   per rank; two all-to-alls send ``2 (P−1)/P · ⌈G/P⌉ · m n`` elements; a leaf
-  carries its share of its group.
+  carries its share of its group. Where the waves cut a stack into ``k ≥ 2``
+  parts and pipeline them (not on TPUs: ``allgather.pipelines``), each
+  part's transfers ``c`` (time over ``k``) run beside a neighbouring part's
+  Newton–Schulz ``s``, as the scheduled program reads
+  (``benchmarks/_hlo.py``): exposed ``c + 2 max(0, c/2 − s) + (k − 2)
+  max(0, c − s)``, the first part's send and the last one's return.
 
 Each leaf (with its group of same-shape leaves, which ``allgather`` stacks
 together) takes the cheapest allowed mode; with a ``memory_budget`` given,
@@ -26,8 +31,8 @@ fits it. Without one the default budget only orders the waves, as in every
 fixed mode, where a matrix whose work exceeds it runs alone: at Llama-3-70B
 the default 2 GiB is less than one whole MLP matrix's Newton–Schulz, and
 ruling the whole-matrix modes out for it would double the modeled time. The
-model compares modes; it does not predict a step's time (no overlap, no
-kernel efficiency).
+model compares modes; it does not predict a step's time (no kernel
+efficiency, no overlap but the pipelined parts').
 """
 
 import dataclasses
@@ -93,6 +98,19 @@ def newton_schulz_flops(m: int, n: int, steps: int) -> float:
   return steps * (4.0 * m * m * n + 2.0 * m**3)
 
 
+def exposed_seconds(transfer: float, compute: float, parts: int) -> float:
+  """Of ``transfer`` seconds of collectives, those no Newton–Schulz hides
+  when ``parts`` pipelined parts share ``compute`` seconds of it
+  (``waves._pipelined_parts``: part ``i + 1`` sent and part ``i − 1``
+  returned beside part ``i``'s Newton–Schulz; the second part's send and
+  the second-to-last's return beside the first's and last's). One part:
+  all of it."""
+  if parts < 2:
+    return transfer
+  c, s = transfer / parts, compute / parts
+  return c + 2 * max(0.0, c / 2 - s) + (parts - 2) * max(0.0, c - s)
+
+
 def _group_key(view: layout.MatrixView, spec, itemsize: int, tp):
   """Leaves ``allgather`` stacks together: one piece of the same shape once
   turned wide, sharded on the same side (``allgather.WideMember.key``)."""
@@ -112,6 +130,7 @@ def mode_costs(
   precision: str,
   group_items: int | None = None,
   modes: Sequence[str] | None = None,
+  wave_bytes: int = waves.DEFAULT_MEMORY_BUDGET,
 ) -> list[ModeCost]:
   """Each of ``modes`` (default: ``tp.auto_modes``) for one leaf.
 
@@ -124,6 +143,9 @@ def mode_costs(
     precision: the Newton–Schulz precision (which matmul rate).
     group_items: matrices per device in the leaf's ``allgather`` group
       (default: the leaf's own).
+    modes: the modes to model (default: ``tp.auto_modes``).
+    wave_bytes: the waves' size (``Execution.wave_bytes``), which sets
+      how many parts a pipelined stack runs in.
 
   Returns:
     One ``ModeCost`` per mode, in the order given.
@@ -151,10 +173,14 @@ def mode_costs(
     rates_lib.crosses_nodes(tp.bound_mesh, tp.distribute_over)
   )
 
-  def cost(mode, runs, flops, moved, collectives, piece, spread_moved=0.0):
-    """``moved`` bytes over the tensor-parallel axis, ``spread_moved``
-    over ``distribute_over``."""
-    seconds = flops / flop_rate + moved / tp_link + spread_moved / data_link
+  def cost(
+    mode, runs, flops, moved, collectives, piece, spread_moved=0.0, parts=1
+  ):
+    """``moved`` bytes over the tensor-parallel axis (in ``parts``
+    pipelined parts), ``spread_moved`` over ``distribute_over``."""
+    compute = flops / flop_rate
+    seconds = compute + exposed_seconds(moved / tp_link, compute, parts)
+    seconds += spread_moved / data_link
     seconds += collectives * rates.latency
     total = moved + spread_moved
     return ModeCost(mode, runs, flops, total, collectives, seconds, piece)
@@ -214,7 +240,13 @@ def mode_costs(
       piece = (
         waves.newton_schulz_bytes(m, n, 1, itemsize) + 2 * itemsize * m * n
       )
-      costs.append(cost(mode, runs, flops, moved, 2 * part, piece))
+      # a stack's matrices a rank, in as many parts as the waves cut them
+      parts = (
+        waves.parts_of(per_rank, piece, wave_bytes, pipelined=True)
+        if view.batch_axes and allgather.pipelines(tp)
+        else 1
+      )
+      costs.append(cost(mode, runs, flops, moved, 2 * part, piece, 0.0, parts))
   return costs
 
 
@@ -269,6 +301,7 @@ def choose_modes(
   precision: str,
   budget: int | None,
   exclude: Sequence[str] = (),
+  wave_bytes: int = waves.DEFAULT_MEMORY_BUDGET,
 ) -> list[Choice]:
   """``tp_mode="auto"``: each leaf's ``Choice`` (see the module).
 
@@ -285,12 +318,13 @@ def choose_modes(
       (the default budget: time alone decides).
     exclude: modes the solver cannot run (``distributed`` for the spectral
       preconditioning).
+    wave_bytes: the waves' size (``Execution.wave_bytes``).
   """
   steps = steps if isinstance(steps, int) else 5
   modes = [m for m in tp.auto_modes if m not in exclude]
   groups, items = _allgather_groups(views, specs, itemsizes, tp)
   costs = [
-    mode_costs(v, s, i, tp, steps, precision, g, modes)
+    mode_costs(v, s, i, tp, steps, precision, g, modes, wave_bytes)
     for v, s, i, g in zip(views, specs, itemsizes, items)
   ]
   choices: list = [None] * len(views)
@@ -321,10 +355,11 @@ def leaf_choices(
   precision: str,
   preconditioning: str,
   budget: int | None,
+  wave_bytes: int = waves.DEFAULT_MEMORY_BUDGET,
 ) -> list[Choice]:
   """``choose_modes`` for a solver: ``auto`` never picks ``distributed``
   for the spectral preconditioning (an SVD needs each whole matrix)."""
   exclude = ("distributed",) if preconditioning == "spectral" else ()
   return choose_modes(
-    views, specs, itemsizes, tp, steps, precision, budget, exclude
+    views, specs, itemsizes, tp, steps, precision, budget, exclude, wave_bytes
   )

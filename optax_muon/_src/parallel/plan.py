@@ -69,11 +69,14 @@ def plan_leaves(
   precision: str,
   preconditioning: str,
   auto_limit: int | None,
+  wave_bytes: int,
 ) -> tuple[LeafPlan, ...]:
   """Each Muon leaf's plan under ``tp`` (specs as ``tp.leaf_specs`` gives
   them); ``auto`` chooses by the cost model, once for the same data, among
   the modes whose smallest piece fits ``auto_limit`` bytes
-  (``Execution.auto_limit``; ``None``: any)."""
+  (``Execution.auto_limit``; ``None``: any), the waves being
+  ``wave_bytes`` (``Execution.wave_bytes``: how many parts a pipelined
+  stack runs in, which sets what its collectives hide under)."""
   key = (
     dataclasses.replace(tp, specs=None),
     tuple(views),
@@ -83,6 +86,7 @@ def plan_leaves(
     precision,
     preconditioning,
     auto_limit,
+    wave_bytes,
   )
   try:
     hash(key)
@@ -92,12 +96,28 @@ def plan_leaves(
 
 
 def _plan_leaves(
-  tp, views, specs, itemsizes, steps, precision, preconditioning, auto_limit
+  tp,
+  views,
+  specs,
+  itemsizes,
+  steps,
+  precision,
+  preconditioning,
+  auto_limit,
+  wave_bytes,
 ) -> tuple[LeafPlan, ...]:
   tp_dims = [tp_dim_of(v, s, tp) for v, s in zip(views, specs)]
   if tp.mode == "auto":
     choices = cost.leaf_choices(
-      tp, views, specs, itemsizes, steps, precision, preconditioning, auto_limit
+      tp,
+      views,
+      specs,
+      itemsizes,
+      steps,
+      precision,
+      preconditioning,
+      auto_limit,
+      wave_bytes,
     )
     chosen = [
       (c.mode, NOT_SPLIT if d is None else c.reason)

@@ -94,6 +94,7 @@ def orthogonalize_sharded(
     solver.precision,
     solver.preconditioning,
     execution.auto_limit,
+    execution.wave_bytes,
   )
   in_specs = tuple(PartitionSpec(*[a or None for a in spec]) for spec in specs)
   solves = Solves.of(solver, tp)

@@ -267,6 +267,33 @@ def _part_size(count: int, fit: int, unit: int) -> int:
   return most
 
 
+def _split_part(
+  size: int, count: int, unit: int, pipelined: bool, budget: int
+) -> int:
+  """The part size of a task of ``size`` bytes over ``count`` slices that
+  exceeds ``budget``."""
+  per_slice = -(-size // count)
+  fit = budget // per_slice
+  if pipelined:
+    # three parts in flight (``_solve_in_parts``): one in Newton–Schulz, the
+    # next one's input and the last one's result, each at most half a
+    # part's Newton–Schulz bytes (its input or result in ≤ 4-byte floats,
+    # beside 12 bytes an entry of float32 iterates)
+    fit = 2 * budget // (3 * per_slice)
+  return _part_size(count, max(unit, fit), unit)
+
+
+def parts_of(
+  count: int, slice_bytes: int, budget: int, pipelined: bool = False
+) -> int:
+  """How many parts ``run`` cuts a stack of ``count`` slices of
+  ``slice_bytes`` each into within ``budget`` (1: it runs whole)."""
+  size = count * slice_bytes
+  if count < 2 or size <= budget:
+    return 1
+  return -(-count // _split_part(size, count, 1, pipelined, budget))
+
+
 def plan(tasks: Sequence[Task], budget: int) -> list[tuple[list[Task], int]]:
   """Waves of tasks: ``(tasks, part)``, where ``part`` is ``0`` for a wave of
   whole tasks and, for a wave of one split task, the size of its parts. A
@@ -296,16 +323,9 @@ def _waves(tasks: Sequence[Task], budget: int) -> list[tuple[list[int], int]]:
   used = 0
   for index, task in enumerate(tasks):
     if task.bytes > budget and task.axis is not None and task.count > 1:
-      per_slice = -(-task.bytes // task.count)
-      fit = budget // per_slice
-      if task.pipelined:
-        # three parts in flight (``_solve_in_parts``): one in
-        # Newton–Schulz, the next one's input and the last one's result,
-        # each at most half a part's Newton–Schulz bytes (its input or
-        # result in ≤ 4-byte floats, beside 12 bytes an entry of float32
-        # iterates)
-        fit = 2 * budget // (3 * per_slice)
-      part = _part_size(task.count, max(task.unit, fit), task.unit)
+      part = _split_part(
+        task.bytes, task.count, task.unit, task.pipelined, budget
+      )
       if part < task.count:
         waves.append(([index], part))
         continue

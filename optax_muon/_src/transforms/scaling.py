@@ -108,6 +108,7 @@ def shape_scaler(
       solver.precision,
       solver.preconditioning,
       execution.auto_limit,
+      execution.wave_bytes,
     )
 
   def update_fn(updates, state, params=None, *, block_steps=None, **extra):
