@@ -240,9 +240,12 @@ def mode_costs(
       piece = (
         waves.newton_schulz_bytes(m, n, 1, itemsize) + 2 * itemsize * m * n
       )
-      # a stack's matrices a rank, in as many parts as the waves cut them
+      # a stack's own matrices a rank, in as many parts as the waves cut
+      # them: a stack split into parts runs alone (``allgather``'s
+      # ``head_and_rest``, ``_splits_alone``), its first send and last
+      # return its own
       parts = (
-        waves.parts_of(per_rank, piece, wave_bytes, pipelined=True)
+        waves.parts_of(-(-count // ranks), piece, wave_bytes, pipelined=True)
         if view.batch_axes and allgather.pipelines(tp)
         else 1
       )
