@@ -95,30 +95,12 @@ def plan_leaves(
   return _cached_plans(*key)
 
 
-def _plan_leaves(
-  tp,
-  views,
-  specs,
-  itemsizes,
-  steps,
-  precision,
-  preconditioning,
-  auto_limit,
-  wave_bytes,
-) -> tuple[LeafPlan, ...]:
+def _plan_leaves(tp, views, specs, itemsizes, *model) -> tuple[LeafPlan, ...]:
+  """``model``: ``plan_leaves``' steps, precision, preconditioning,
+  auto_limit and wave_bytes, in its order (``cost.leaf_choices``')."""
   tp_dims = [tp_dim_of(v, s, tp) for v, s in zip(views, specs)]
   if tp.mode == "auto":
-    choices = cost.leaf_choices(
-      tp,
-      views,
-      specs,
-      itemsizes,
-      steps,
-      precision,
-      preconditioning,
-      auto_limit,
-      wave_bytes,
-    )
+    choices = cost.leaf_choices(tp, views, specs, itemsizes, *model)
     chosen = [
       (c.mode, NOT_SPLIT if d is None else c.reason)
       for c, d in zip(choices, tp_dims)
