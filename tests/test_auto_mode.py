@@ -657,7 +657,9 @@ def test_a_pipelined_stack_hides_its_transfers_under_its_other_parts(
   transfer = 2 * 8 * 64 * 128 * itemsize * 7 / 8 / link_bytes
   c, s = transfer / 4, compute / 4
   exposed = c + 2 * max(0.0, c / 2 - s) + 2 * max(0.0, c - s)
-  piece = waves.newton_schulz_bytes(64, 128, 1, itemsize) + 2 * 4 * 64 * 128
+  piece = (
+    waves.newton_schulz_bytes(64, 128, 1, itemsize) + 2 * itemsize * 64 * 128
+  )
 
   def seconds(wave_bytes):
     (found,) = cost.mode_costs(

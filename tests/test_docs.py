@@ -195,11 +195,8 @@ def test_the_overlap_limit_sentence_is_the_recorded_compile():
   )
   assert sentence in page, sentence
   table = ROOT / "results" / "at_scale" / "h100_64_70b_fsdp.jsonl"
-  (default,) = [
-    json.loads(line)
-    for line in table.read_text().splitlines()
-    if json.loads(line)["mode"] == "allgather"
-  ]
+  records = [json.loads(line) for line in table.read_text().splitlines()]
+  (default,) = [r for r in records if r["mode"] == "allgather"]
   for key in ("temp_gib", "step_share", "hlo_tflop"):
     assert by_limit[1][key] == pytest.approx(default[key], rel=1e-9), key
   assert by_limit[1]["schedule"] == pytest.approx(default["schedule"])

@@ -249,7 +249,7 @@ def mode_costs(
         if view.batch_axes and allgather.pipelines(tp)
         else 1
       )
-      costs.append(cost(mode, runs, flops, moved, 2 * part, piece, 0.0, parts))
+      costs.append(cost(mode, runs, flops, moved, 2 * part, piece, parts=parts))
   return costs
 
 

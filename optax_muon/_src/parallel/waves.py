@@ -270,8 +270,10 @@ def _part_size(count: int, fit: int, unit: int) -> int:
 def _split_part(
   size: int, count: int, unit: int, pipelined: bool, budget: int
 ) -> int:
-  """The part size of a task of ``size`` bytes over ``count`` slices that
-  exceeds ``budget``."""
+  """The part size of a task of ``size`` bytes over ``count`` slices within
+  ``budget``: ``count`` (whole) where it fits or has one slice."""
+  if size <= budget or count < 2:
+    return count
   per_slice = -(-size // count)
   fit = budget // per_slice
   if pipelined:
@@ -288,10 +290,8 @@ def parts_of(
 ) -> int:
   """How many parts ``run`` cuts a stack of ``count`` slices of
   ``slice_bytes`` each into within ``budget`` (1: it runs whole)."""
-  size = count * slice_bytes
-  if count < 2 or size <= budget:
-    return 1
-  return -(-count // _split_part(size, count, 1, pipelined, budget))
+  part = _split_part(count * slice_bytes, count, 1, pipelined, budget)
+  return -(-count // part)
 
 
 def plan(tasks: Sequence[Task], budget: int) -> list[tuple[list[Task], int]]:
@@ -322,7 +322,7 @@ def _waves(tasks: Sequence[Task], budget: int) -> list[tuple[list[int], int]]:
   current: list[int] = []
   used = 0
   for index, task in enumerate(tasks):
-    if task.bytes > budget and task.axis is not None and task.count > 1:
+    if task.axis is not None:
       part = _split_part(
         task.bytes, task.count, task.unit, task.pipelined, budget
       )
