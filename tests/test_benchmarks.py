@@ -5,6 +5,7 @@ the four single-device benchmarks on the CPU, as it will on a GPU machine."""
 import functools
 import json
 import math
+import os
 import pathlib
 import re
 import subprocess
@@ -137,6 +138,24 @@ def test_scaling_doc_table_is_the_plan_commands(monkeypatch):
         assert cell in row, (name, tp, cell, row)
 
 
+@pytest.fixture
+def at_scale_exit(monkeypatch, capsys):
+  """Calls ``benchmarks/at_scale.py``'s ``main`` in this process (a launch
+  costs seconds; these cases end before anything compiles) and returns its
+  exit code and what it wrote to stderr. An exception other than the exit
+  fails the test, as a traceback would."""
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+  monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+  import at_scale  # noqa: PLC0415  (its import adds to XLA_FLAGS, undone above)
+
+  def exit_of(*args):
+    with pytest.raises(SystemExit) as exited:
+      at_scale.main(list(args))
+    return exited.value.code, capsys.readouterr().err
+
+  return exit_of
+
+
 @pytest.mark.parametrize(
   "args, flag",
   [
@@ -156,11 +175,10 @@ def test_scaling_doc_table_is_the_plan_commands(monkeypatch):
     (["--tokens", "0"], "--tokens"),
   ],
 )
-def test_at_scale_bad_arguments_exit_2_naming_them(args, flag):
-  result = _call("at_scale.py", "--quick", *args)
-  assert result.returncode == 2, result.stderr[-2000:]
-  assert f"argument {flag}:" in result.stderr, result.stderr[-2000:]
-  assert "Traceback" not in result.stderr
+def test_at_scale_bad_arguments_exit_2_naming_them(args, flag, at_scale_exit):
+  code, stderr = at_scale_exit("--quick", *args)
+  assert code == 2, stderr[-2000:]
+  assert f"argument {flag}:" in stderr, stderr[-2000:]
 
 
 MALFORMED_TREES = {
@@ -176,15 +194,16 @@ MALFORMED_TREES = {
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED_TREES))
-def test_at_scale_malformed_tree_exits_2_naming_the_leaf(case, tmp_path):
+def test_at_scale_malformed_tree_exits_2_naming_the_leaf(
+  case, tmp_path, at_scale_exit
+):
   path = tmp_path / "tree.json"
   path.write_text(json.dumps(MALFORMED_TREES[case]))
-  result = _call("at_scale.py", "--model", str(path), "--modes", "blockwise")
-  assert result.returncode == 2, (case, result.stderr[-2000:])
-  assert "argument --model:" in result.stderr, result.stderr[-2000:]
-  assert "Traceback" not in result.stderr
+  code, stderr = at_scale_exit("--model", str(path), "--modes", "blockwise")
+  assert code == 2, (case, stderr[-2000:])
+  assert "argument --model:" in stderr, stderr[-2000:]
   if isinstance(MALFORMED_TREES[case], dict) and MALFORMED_TREES[case]:
-    assert "leaf 'w'" in result.stderr, result.stderr[-2000:]
+    assert "leaf 'w'" in stderr, stderr[-2000:]
 
 
 @pytest.mark.parametrize(
@@ -197,20 +216,21 @@ def test_at_scale_malformed_tree_exits_2_naming_the_leaf(case, tmp_path):
 )
 @pytest.mark.parametrize("model", ["tree", "deepseek-v3:2"])
 def test_at_scale_refuses_the_llama_flags_on_another_tree(
-  model, flags, flag, tmp_path
+  model, flags, flag, tmp_path, at_scale_exit
 ):
   if model == "tree":
     model = str(tmp_path / "tree.json")
     pathlib.Path(model).write_text(
       json.dumps({"w": [[64, 64], "muon", [None, "model"]]})
     )
-  result = _call("at_scale.py", "--model", model, *flags)
-  assert result.returncode == 2, result.stderr[-2000:]
-  assert f"argument {flag}: applies to the Llama models" in result.stderr
+  code, stderr = at_scale_exit("--model", model, *flags)
+  assert code == 2, stderr[-2000:]
+  assert f"argument {flag}: applies to the Llama models" in stderr
 
 
 def test_at_scale_with_nothing_left_to_measure_exits_2():
-  # Dion2's momentum is a float sum: --momentum 8bit filters it out
+  # the command line itself, once (the cases above call its main): Dion2's
+  # momentum is a float sum, so --momentum 8bit filters it out
   result = _call(
     "at_scale.py", "--quick", "--momentum", "8bit", "--modes", "dion2"
   )
@@ -218,6 +238,7 @@ def test_at_scale_with_nothing_left_to_measure_exits_2():
   assert "argument --modes: none of ['dion2'] takes --momentum 8bit" in (
     result.stderr
   )
+  assert "Traceback" not in result.stderr
 
 
 def test_at_scale_reads_a_users_model_function_and_its_target_part(tmp_path):
