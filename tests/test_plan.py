@@ -85,7 +85,7 @@ def test_blockwise_on_a_split_stack_is_scaled_by_the_shard_as_described():
   rows, checked = _applied_equals_described(
     tx,
     params,
-    lambda path, row, g: blockwise.update(g, None)[0][path],
+    lambda path, row, g: jax.jit(blockwise.update)(g, None)[0][path],
   )
   assert checked == 1
   assert rows["stack"]["scale"] == "8"
@@ -184,7 +184,7 @@ def test_auto_over_mixed_leaves_is_described_as_it_runs():
   def in_its_mode(path, row, grads):
     fixed = om.TensorParallel(mesh, "model", row["tp mode"], specs=specs)
     tx = om.orthogonalize(dimension_numbers=dims, sharding=fixed)
-    return tx.update(grads, None)[0][path]
+    return jax.jit(tx.update)(grads, None)[0][path]
 
   rows, checked = _applied_equals_described(tx, params, in_its_mode)
   assert checked == 3
