@@ -139,14 +139,22 @@ def test_scaling_doc_table_is_the_plan_commands(monkeypatch):
 
 
 @pytest.fixture
-def at_scale_exit(monkeypatch, capsys):
-  """Calls ``benchmarks/at_scale.py``'s ``main`` in this process (a launch
-  costs seconds; these cases end before anything compiles) and returns its
-  exit code and what it wrote to stderr. An exception other than the exit
-  fails the test, as a traceback would."""
+def at_scale(monkeypatch):
+  """``benchmarks/at_scale.py`` imported in this process (a launch costs
+  seconds), for what needs no compile: its import's change to
+  ``XLA_FLAGS`` is undone after the test."""
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
   monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-  import at_scale  # noqa: PLC0415  (its import adds to XLA_FLAGS, undone above)
+  import at_scale  # noqa: PLC0415
+
+  return at_scale
+
+
+@pytest.fixture
+def at_scale_exit(at_scale, capsys):
+  """Calls ``at_scale.main`` in this process (these cases end before
+  anything compiles) and returns its exit code and what it wrote to stderr.
+  An exception other than the exit fails the test, as a traceback would."""
 
   def exit_of(*args):
     with pytest.raises(SystemExit) as exited:
@@ -179,6 +187,7 @@ def test_at_scale_bad_arguments_exit_2_naming_them(args, flag, at_scale_exit):
   code, stderr = at_scale_exit("--quick", *args)
   assert code == 2, stderr[-2000:]
   assert f"argument {flag}:" in stderr, stderr[-2000:]
+  assert "Traceback" not in stderr
 
 
 MALFORMED_TREES = {
@@ -202,6 +211,7 @@ def test_at_scale_malformed_tree_exits_2_naming_the_leaf(
   code, stderr = at_scale_exit("--model", str(path), "--modes", "blockwise")
   assert code == 2, (case, stderr[-2000:])
   assert "argument --model:" in stderr, stderr[-2000:]
+  assert "Traceback" not in stderr
   if isinstance(MALFORMED_TREES[case], dict) and MALFORMED_TREES[case]:
     assert "leaf 'w'" in stderr, stderr[-2000:]
 
@@ -241,7 +251,9 @@ def test_at_scale_with_nothing_left_to_measure_exits_2():
   assert "Traceback" not in result.stderr
 
 
-def test_at_scale_reads_a_users_model_function_and_its_target_part(tmp_path):
+def test_at_scale_reads_a_users_model_function_and_its_target_part(
+  tmp_path, at_scale
+):
   (tmp_path / "user_model.py").write_text(
     "import jax, jax.numpy as jnp\n"
     "from jax.sharding import PartitionSpec as P\n"
@@ -270,19 +282,11 @@ def test_at_scale_reads_a_users_model_function_and_its_target_part(tmp_path):
   # duplicated gathers the two Muon matrices whole, once (the embedding is
   # AdamW's, by om.default_labels)
   assert record["collective_gib"]["all-gather"] * 2**30 == 2 * 64 * 256 * 4
-  parts = subprocess.run(
-    [
-      sys.executable,
-      "-c",
-      "import at_scale; print([at_scale.part_of(t) for t in "
-      "('tpu-v5p-8', 'h100-8', 'h200-64', 'b200-8', 'cpu')])",
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT / "benchmarks",
-    env=_env(),
-  )
-  assert parts.stdout.strip() == "['95GB', '80GB', '141GB', '192GB', '80GB']"
+  parts = [
+    at_scale.part_of(t)
+    for t in ("tpu-v5p-8", "h100-8", "h200-64", "b200-8", "cpu")
+  ]
+  assert parts == ["95GB", "80GB", "141GB", "192GB", "80GB"]
 
 
 def test_at_scale_table_has_the_json_numbers_and_says_what_is_counted():
