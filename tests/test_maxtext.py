@@ -1,6 +1,6 @@
 """optax_muon.integrations.maxtext in MaxText's own, unmodified train.py: tiny
-Llama-2, Qwen3, DeepSeek-V3 and Mistral on 4 simulated CPU devices,
-synthetic data, run by ``python -m optax_muon.integrations.maxtext``. With
+Llama-2, DeepSeek-V3 and Mistral (Qwen3 in the slow run) on 4 simulated CPU
+devices, synthetic data, run by ``python -m optax_muon.integrations.maxtext``. With
 an exact tensor-parallel mode the losses are MaxText's own Muon's
 (optax.contrib.muon, partitioned by XLA), on TP 4 and on FSDP 2 × TP 2;
 Mistral, whose block MaxText refuses Muon for, trains with its routing read
@@ -144,7 +144,9 @@ def _losses(runs, model, fsdp, tp, *flags, extra=()):
   [
     ("llama2", 1, 4, "duplicated", "auto"),
     ("llama2", 2, 2, "auto", "auto"),
-    ("qwen3", 2, 2, "auto", "auto"),
+    # Qwen3's q and k norms, routed as Llama's are (a launch costs ~25 s,
+    # most of it MaxText's import: the long run has it)
+    pytest.param("qwen3", 2, 2, "auto", "auto", marks=pytest.mark.slow),
     # MLA and experts, their matrices read by om.infer_layout
     ("deepseek3", 2, 2, "auto", "inferred"),
   ],
@@ -162,12 +164,11 @@ def test_installed_muon_trains_as_maxtexts_own_in_an_exact_mode(
     assert np.abs(blockwise - theirs).max() > 0.05
 
 
-def test_install_lets_muon_through_maxtexts_gate_routed_by_inference(
-  tmp_path, runs
-):
-  refused = _run(tmp_path / "theirs", "mistral", 2, 2, "--maxtexts-own")
-  assert refused.returncode != 0
-  assert "Muon dimension numbers haven't been tested" in refused.stderr
+def test_install_lets_muon_through_maxtexts_gate_routed_by_inference(runs):
+  # MaxText's config refuses opt_type=muon for Mistral's block (read here,
+  # in this process: a launch would cost MaxText's import again)
+  with pytest.raises(ValueError, match="Muon dimension numbers haven't been"):
+    _config("mistral", "opt_type=muon")
   ours = _losses(runs, "mistral", 2, 2, "--tp-mode", "auto")
   assert ours[-1] < ours[0] - 1.0
 
