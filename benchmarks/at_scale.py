@@ -43,8 +43,9 @@ H200, 192 GB on B200; collectives by kind), and with
 argument, output and temporary bytes, the collective bytes by kind (loop
 bodies counted trip-count times), compile seconds, and whether params +
 grads + device-resident state + temp fit an 80 GB, a 95 GB (v5p), a
-141 GB and a 192 GB part (``fits``; ``part``: the target's), and the ratio of each mode's collective bytes to
-``duplicated``'s. ``--momentum 8bit`` stores Muon's momentum as
+141 GB and a 192 GB part (``fits``; ``part``: the target's), the ratio of each mode's collective bytes to
+``duplicated``'s, and what compiled it (``compiler``: the jax, jaxlib and
+libtpu or CUDA plugin versions; the table says so under it). ``--momentum 8bit`` stores Muon's momentum as
 ``om.QuantizedMomentum`` (blocks of up to 256 that divide every shard);
 ``--offload`` keeps the whole state in pinned host
 memory (``state_memory_kind``): the compiler's ``host_argument`` bytes are
@@ -54,6 +55,7 @@ of a part (80 GB = 74.5 GiB). ``--quick`` measures the tiny model.
 """
 
 import argparse
+import importlib.metadata
 import json
 import math
 import os
@@ -392,6 +394,30 @@ def make_mesh(target: str, dp: int, tp: int):
       f"{dp}x{tp} needs {dp * tp} devices; --target {target} has {len(devices)}"
     )
   return jax.sharding.Mesh(np.array(devices).reshape(dp, tp), ("data", "model"))
+
+
+# the compiler a platform's programs are compiled by, past jaxlib's own
+# (XLA:CPU): its distribution, under the names it was released as
+PLUGINS = {
+  "tpu": ("libtpu",),
+  "gpu": ("jax-cuda12-pjrt", "jax-cuda13-pjrt"),
+  "cuda": ("jax-cuda12-pjrt", "jax-cuda13-pjrt"),
+}
+
+
+def compiler_versions(mesh) -> dict:
+  """The installed versions of what compiles for ``mesh``'s devices: jax,
+  jaxlib and the platform's plugin (libtpu, the CUDA PJRT plugin). Figures of
+  two releases differ (a v5p update's temporaries: 3.75 GiB with libtpu
+  0.0.42.1, 6.75 with 0.0.50.1, docs/scaling.md), so each record says which."""
+  names = ("jax", "jaxlib", *PLUGINS.get(mesh.devices.flat[0].platform, ()))
+  versions = {}
+  for name in names:
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return versions
 
 
 def block_size(flat, mesh) -> int:
@@ -1121,6 +1147,7 @@ def main(argv=None):
   depth = MODELS[args.model][5] if args.model in MODELS else None
   if args.model.startswith("deepseek-v3"):
     depth = int(args.model.partition(":")[2] or DEEPSEEK_V3[5])
+  compiler = compiler_versions(mesh)
   for name, tx in built.items():
     record = {
       "benchmark": "at_scale",
@@ -1139,6 +1166,7 @@ def main(argv=None):
       "mode": name,
       "part": part_of(args.target),
       "precision": args.precision,
+      "compiler": compiler,
       **measure(
         tx,
         params,
@@ -1163,6 +1191,8 @@ def main(argv=None):
       emit(record)
   if not args.json:
     print(table(records, part_of(args.target)))
+    built_by = ", ".join(f"{name} {v}" for name, v in compiler.items())
+    print(f"\nCompiled by {built_by}.")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ themselves live in the README, measured by the full runs). gpu.sh --quick runs
 the four single-device benchmarks on the CPU, as it will on a GPU machine."""
 
 import functools
+import importlib.metadata
 import json
 import math
 import os
@@ -316,6 +317,13 @@ def test_at_scale_table_has_the_json_numbers_and_says_what_is_counted():
   words = " ".join(text.split())
   assert "Not counted: activations, the forward and backward pass" in words
   assert "80 GB = 74.5 GiB" in words
+  # what compiled them, in each record and under the table: figures of two
+  # compiler releases differ (libtpu's temporaries did)
+  installed = {d: importlib.metadata.version(d) for d in ("jax", "jaxlib")}
+  for record in records:
+    assert record["compiler"] == installed
+  built_by = f"jax {installed['jax']}, jaxlib {installed['jaxlib']}"
+  assert f"Compiled by {built_by}." in words
 
 
 def test_at_scale_reads_the_exposed_time_and_the_share_of_a_step():
