@@ -39,13 +39,16 @@ For each ``tp_mode`` (``--mesh 1x1``: one device, ``om.muon`` without
 row (GiB per device: params + grads + state, the update's temporaries, their
 total, whether it fits the target's part: 80 GB, 95 GB on TPU v5p, 141 GB on
 H200, 192 GB on B200; collectives by kind), and with
-``--json`` a JSON line instead: per device the params, grads and state bytes, the compiler's
-argument, output and temporary bytes, the collective bytes by kind (loop
-bodies counted trip-count times), compile seconds, and whether params +
-grads + device-resident state + temp fit an 80 GB, a 95 GB (v5p), a
-141 GB and a 192 GB part (``fits``; ``part``: the target's), the ratio of each mode's collective bytes to
+``--json`` a JSON line instead: per device the params, grads and state
+bytes, the compiler's argument, output and temporary bytes and its peak over
+the arguments (``peak_over_arguments_gib``; XLA:CPU's has been the outputs
+alone), the collective bytes by kind (loop bodies counted trip-count times),
+compile seconds, and whether params + grads + device-resident state + temp
+fit an 80 GB, a 95 GB (v5p), a 141 GB and a 192 GB part (``fits``;
+``part``: the target's), the ratio of each mode's collective bytes to
 ``duplicated``'s, and what compiled it (``compiler``: the jax, jaxlib and
-libtpu or CUDA plugin versions; the table says so under it). ``--momentum 8bit`` stores Muon's momentum as
+libtpu or CUDA plugin versions; the table says so under it). ``--momentum
+8bit`` stores Muon's momentum as
 ``om.QuantizedMomentum`` (blocks of up to 256 that divide every shard);
 ``--offload`` keeps the whole state in pinned host
 memory (``state_memory_kind``): the compiler's ``host_argument`` bytes are
@@ -651,6 +654,14 @@ def measure(
     value = getattr(memory, f"{key}_size_in_bytes", None)
     if value is not None:
       record[f"{key}_gib"] = value / GIB
+  # the compiler's own peak over the arguments: what a step adds to them.
+  # ``temp`` is that where the compiler chose every layout; where a program
+  # pins one, libtpu's temp counted a copy its peak does not (note 75)
+  peak = getattr(memory, "peak_memory_in_bytes", None)
+  if peak:
+    record["peak_over_arguments_gib"] = (
+      peak - memory.argument_size_in_bytes
+    ) / GIB
   hlo = compiled.as_text()
   if dump_hlo:
     os.makedirs(dump_hlo, exist_ok=True)
