@@ -322,10 +322,12 @@ def test_at_scale_table_has_the_json_numbers_and_says_what_is_counted():
   installed = {d: importlib.metadata.version(d) for d in ("jax", "jaxlib")}
   for record in records:
     assert record["compiler"] == installed
-    # the peak over the arguments: what the outputs and temporaries add, at
-    # most (the compiler may reuse an argument's buffer)
-    extra = record["output_gib"] + record["temp_gib"]
-    assert 0 < record["peak_over_arguments_gib"] <= extra * (1 + 1e-6)
+    # the peak over the arguments: on XLA:CPU the outputs alone, as the
+    # docstring says (its temporaries are not in its peak; a libtpu or GPU
+    # peak has them)
+    assert record["peak_over_arguments_gib"] == pytest.approx(
+      record["output_gib"], rel=5e-3
+    )
   built_by = f"jax {installed['jax']}, jaxlib {installed['jaxlib']}"
   assert f"Compiled by {built_by}." in words
 
