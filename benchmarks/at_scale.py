@@ -400,12 +400,10 @@ def make_mesh(target: str, dp: int, tp: int):
 
 
 # the compiler a platform's programs are compiled by, past jaxlib's own
-# (XLA:CPU): its distribution, under the names it was released as
-PLUGINS = {
-  "tpu": ("libtpu",),
-  "gpu": ("jax-cuda12-pjrt", "jax-cuda13-pjrt"),
-  "cuda": ("jax-cuda12-pjrt", "jax-cuda13-pjrt"),
-}
+# (XLA:CPU): its distribution, under the names it was released as (a CUDA
+# device's platform reads "gpu" or "cuda")
+CUDA_PLUGINS = ("jax-cuda12-pjrt", "jax-cuda13-pjrt")
+PLUGINS = {"tpu": ("libtpu",), "gpu": CUDA_PLUGINS, "cuda": CUDA_PLUGINS}
 
 
 def compiler_versions(mesh) -> dict:
@@ -655,8 +653,8 @@ def measure(
     if value is not None:
       record[f"{key}_gib"] = value / GIB
   # the compiler's own peak over the arguments: what a step adds to them.
-  # ``temp`` is that where the compiler chose every layout; where a program
-  # pins one, libtpu's temp counted a copy its peak does not (note 75)
+  # libtpu's ``temp`` can count more than that (a copy its peak does not
+  # hold; docs/scaling.md), and XLA:CPU's peak leaves its temps out
   peak = getattr(memory, "peak_memory_in_bytes", None)
   if peak:
     record["peak_over_arguments_gib"] = (
