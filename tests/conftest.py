@@ -300,19 +300,22 @@ def eo_steps(tx, case, inputs, turn):
     yield k, before, gradient, updates["w"], state, params["w"]
 
 
-# -- the two tiers ---------------------------------------------------------------
+# -- the tiers -------------------------------------------------------------------
 # ``-m "not integration and not slow"`` (the fast tier) runs every code path
-# once; ``integration`` also marks, here, the cases that repeat a path the
-# fast tier has already run: a parametrized case whose every parameter value
-# (or every part of its id: a recorded case's method, variant, shape and
-# orientation) an earlier case of the same test has had (a further shape for
-# the same schedule), a case that differs from an earlier one only by its mesh
-# (the tp modes run the same code on (8,), (2, 4) and (4, 2): per-test branch
-# coverage shows no line or branch that only a second mesh reaches), and the
-# un-jitted twin of a chex variant test, and the cases tests/repeats.txt lists
-# (heavy cases that reach no line or branch of the library the rest of the
-# fast tier does not: tests/find_repeats.py). The README's command runs both
-# tiers.
+# once. ``integration`` also marks, here, the cases that run a path the fast
+# tier has already run; the README's command (and CI, on both jax ends) runs
+# them all but those also marked ``repeat``:
+# - in the default run: a case that differs from an earlier one of the same
+#   test only by its mesh (the tp modes run the same code on (8,), (2, 4) and
+#   (4, 2): per-test branch coverage shows no line or branch that only a
+#   second mesh reaches, but a second mesh shows a wrong axis size), and the
+#   un-jitted twin of a chex variant test (what a user's eager call runs);
+# - ``repeat``, on request (``-m repeat``): a parametrized case whose every
+#   parameter value (or every part of its id: a recorded case's method,
+#   variant, shape and orientation) earlier cases of the same test have had
+#   (a further shape for the same schedule), and the cases tests/repeats.txt
+#   lists (heavy cases that reach no line or branch of the library the rest
+#   of the fast tier does not: tests/find_repeats.py).
 
 # pyproject.toml's `timeout` is for the rest
 SLOW_TIMEOUT_SECONDS = 1800
@@ -323,6 +326,11 @@ _REPEATS = frozenset(
   for line in (ROOT / "tests" / "repeats.txt").read_text().splitlines()
   if line.strip() and not line.startswith("#")
 )
+
+
+def _has_a_mesh(item) -> bool:
+  callspec = getattr(item, "callspec", None)
+  return any(name in callspec.params for name in _MESH_PARAMETERS)
 
 
 def _parameter_values(item) -> tuple[set, set] | None:
@@ -360,11 +368,16 @@ def _check_repeats_exist(config, items):
     )
 
 
-def _mark_repeat(item) -> None:
-  """Out of the fast tier (``integration``), and ``repeat``: a case whose
-  lines and branches the fast tier reaches already (CI runs these on the
-  oldest jax only, .ci/run)."""
+def _leave_fast_tier(item) -> None:
+  """Out of the fast tier: a case whose lines and branches the fast tier
+  reaches already, run by the README's command."""
   item.add_marker(pytest.mark.integration)
+
+
+def _mark_repeat(item) -> None:
+  """Out of the fast tier and out of the README's command (``repeat``, run
+  by ``-m repeat``): a case that repeats what others run with the same mesh."""
+  _leave_fast_tier(item)
   item.add_marker(pytest.mark.repeat)
 
 
@@ -378,7 +391,7 @@ def pytest_collection_modifyitems(config, items):
     ):
       continue
     if item.name.endswith("__without_jit"):
-      _mark_repeat(item)
+      _leave_fast_tier(item)
       continue
     case = _parameter_values(item)
     if case is None:
@@ -386,14 +399,17 @@ def pytest_collection_modifyitems(config, items):
     values, parts = case
     test = (item.path, item.originalname)
     if test in seen:
-      covered_values, covered_parts = seen[test]
-      if values <= covered_values or parts <= covered_parts:
+      covered_values, covered_parts, cases = seen[test]
+      if frozenset(values) in cases and _has_a_mesh(item):
+        _leave_fast_tier(item)  # only its mesh is new
+      elif values <= covered_values or parts <= covered_parts:
         _mark_repeat(item)
     else:
-      covered_values, covered_parts = seen[test] = (set(), set())
+      covered_values, covered_parts, cases = seen[test] = (set(), set(), set())
     covered_values |= values
     covered_parts |= parts
-  for item in items:  # after the rule above, which the list was made under
+    cases.add(frozenset(values))
+  for item in items:  # after the rules above, which the list was made under
     if item.nodeid in _REPEATS:
       _mark_repeat(item)
   for item in items:  # the slow end-to-end runs take minutes by design

@@ -8,7 +8,7 @@ the fast tier. This script finds them from per-test branch coverage, heaviest
 first (each found repeat leaves the fast tier before the next is judged, so
 the tier keeps every path), and prints the ones that take at least
 ``--min-seconds``; ``tests/repeats.txt`` holds the list conftest.py marks
-``integration``. Run it again when a heavy parametrized case is added::
+``integration`` and ``repeat``. Run it again when a heavy parametrized case is added::
 
   pip install pytest-cov
   python -m pytest -n 2 -m "not integration and not slow" --durations=0 \

@@ -2,12 +2,14 @@
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import conftest
 from conftest import ROOT
 from conftest import UNOPTIMIZED
 from conftest import gaussian
@@ -89,6 +91,64 @@ def test_find_repeats_keeps_every_path_and_a_case_of_each_test():
     "t.py::g[b]",
     "t.py::p[a]",
   ]
+
+
+class _Case:
+  """What conftest's tier rules read of a collected case."""
+
+  def __init__(self, test, ids="", **params):
+    self.path, self.originalname = "t.py", test
+    self.name = f"{test}[{ids}]" if params else test
+    self.nodeid = f"t.py::{self.name}"
+    self.callspec = SimpleNamespace(params=params, id=ids) if params else None
+    self.markers: set[str] = set()
+
+  def get_closest_marker(self, name):
+    return name if name in self.markers else None
+
+  def add_marker(self, mark):
+    self.markers.add(mark.name)
+
+
+def _tier(markers):
+  if "repeat" in markers:
+    return "repeat"  # -m repeat only
+  return "default" if "integration" in markers else "fast"
+
+
+def test_the_tiers_keep_another_mesh_and_the_eager_twin_in_the_default_run():
+  cases = [
+    _Case("f", "mesh_shape0-a", mesh_shape=(8,), p="a"),
+    _Case("f", "mesh_shape1-a", mesh_shape=(2, 4), p="a"),  # a second mesh
+    _Case("f", "mesh_shape0-b", mesh_shape=(8,), p="b"),
+    _Case("g", "a-x", p="a", q="x"),
+    _Case("g", "b-y", p="b", q="y"),
+    _Case("g", "a-y", p="a", q="y"),  # each value had: a repeat
+    _Case("h", "mesh_shape0-a", mesh_shape=(8,), p="a"),
+    _Case("h", "mesh_shape0-b", mesh_shape=(8,), p="b"),
+    _Case("h", "mesh_shape1-b", mesh_shape=(4, 2), p="b"),  # a second mesh
+    _Case("k__without_jit"),  # a chex variant's un-jitted twin
+    _Case("m"),  # not parametrized
+  ]
+  conftest.pytest_collection_modifyitems(
+    SimpleNamespace(args=["t.py::f"]), cases
+  )
+  tiers = {case.nodeid: _tier(case.markers) for case in cases}
+  assert tiers == {
+    "t.py::f[mesh_shape0-a]": "fast",
+    "t.py::f[mesh_shape1-a]": "default",
+    "t.py::f[mesh_shape0-b]": "fast",
+    "t.py::g[a-x]": "fast",
+    "t.py::g[b-y]": "fast",
+    "t.py::g[a-y]": "repeat",
+    "t.py::h[mesh_shape0-a]": "fast",
+    "t.py::h[mesh_shape0-b]": "fast",
+    "t.py::h[mesh_shape1-b]": "default",
+    "t.py::k__without_jit": "default",
+    "t.py::m": "fast",
+  }
+  # a repeat is integration too: out of the fast tier as well
+  assert {"repeat", "integration"} <= cases[5].markers
 
 
 def test_xla_optimized_nests_and_restores_the_setting_it_found():
