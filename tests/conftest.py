@@ -317,8 +317,14 @@ def eo_steps(tx, case, inputs, turn):
 #   lists (heavy cases that reach no line or branch of the library the rest
 #   of the fast tier does not: tests/find_repeats.py).
 
-# pyproject.toml's `timeout` is for the rest
+# pyproject.toml's `timeout` (5 minutes) is for the cases that start
+# processes or training runs (marked `integration` by their tests); the slow
+# ones get 30. The rest run inside the worker in seconds (13 s the longest on
+# 2 cores, 2026-12-08), and get 2 minutes: a worker stuck in XLA's native
+# code (seen in CI, and here on 2026-12-08, in a case that then passed in
+# 1.5 s) holds its cases back 2 minutes, not 5.
 SLOW_TIMEOUT_SECONDS = 1800
+IN_WORKER_TIMEOUT_SECONDS = 120
 
 _MESH_PARAMETERS = ("mesh_shape",)
 _REPEATS = frozenset(
@@ -368,6 +374,26 @@ def _check_repeats_exist(config, items):
     )
 
 
+def _start_the_long_cases_first(items, long_cases) -> None:
+  """The cases that start processes or training runs first, each file's
+  order kept: xdist hands each worker its cases ahead, so a run of minutes
+  late in the order kept one worker busy while the other had nothing left
+  (the newest jax's run: test_maxtext.py's 197 s ahead of
+  test_multiprocess.py's 71 s on one worker, the other idle for the last
+  67 s)."""
+  items.sort(key=lambda item: item.nodeid not in long_cases)
+
+
+def _set_timeouts(items, long_cases) -> None:
+  for item in items:
+    if item.get_closest_marker("timeout"):
+      continue  # the test's own
+    if item.get_closest_marker("slow"):
+      item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_SECONDS))
+    elif item.nodeid not in long_cases:
+      item.add_marker(pytest.mark.timeout(IN_WORKER_TIMEOUT_SECONDS))
+
+
 def _leave_fast_tier(item) -> None:
   """Out of the fast tier: a case whose lines and branches the fast tier
   reaches already, run by the README's command."""
@@ -384,6 +410,13 @@ def _mark_repeat(item) -> None:
 @pytest.hookimpl(tryfirst=True)  # before -k and -m deselect any case
 def pytest_collection_modifyitems(config, items):
   _check_repeats_exist(config, items)
+  # marked by their tests: they start processes or training runs
+  long_cases = {
+    item.nodeid
+    for item in items
+    if item.get_closest_marker("integration") or item.get_closest_marker("slow")
+  }
+  _start_the_long_cases_first(items, long_cases)
   seen: dict = {}
   for item in items:
     if item.get_closest_marker("integration") or item.get_closest_marker(
@@ -412,8 +445,4 @@ def pytest_collection_modifyitems(config, items):
   for item in items:  # after the rules above, which the list was made under
     if item.nodeid in _REPEATS:
       _mark_repeat(item)
-  for item in items:  # the slow end-to-end runs take minutes by design
-    if item.get_closest_marker("slow") and not item.get_closest_marker(
-      "timeout"
-    ):
-      item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_SECONDS))
+  _set_timeouts(items, long_cases)

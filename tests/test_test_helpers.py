@@ -101,13 +101,13 @@ class _Case:
     self.name = f"{test}[{ids}]" if params else test
     self.nodeid = f"t.py::{self.name}"
     self.callspec = SimpleNamespace(params=params, id=ids) if params else None
-    self.markers: set[str] = set()
+    self.markers: dict[str, tuple] = {}  # name: args
 
   def get_closest_marker(self, name):
     return name if name in self.markers else None
 
   def add_marker(self, mark):
-    self.markers.add(mark.name)
+    self.markers[mark.name] = mark.args
 
 
 def _tier(markers):
@@ -116,7 +116,7 @@ def _tier(markers):
   return "default" if "integration" in markers else "fast"
 
 
-def test_the_tiers_keep_another_mesh_and_the_eager_twin_in_the_default_run():
+def test_the_tiers_the_long_cases_first_and_the_timeouts():
   cases = [
     _Case("f", "mesh_shape0-a", mesh_shape=(8,), p="a"),
     _Case("f", "mesh_shape1-a", mesh_shape=(2, 4), p="a"),  # a second mesh
@@ -129,10 +129,17 @@ def test_the_tiers_keep_another_mesh_and_the_eager_twin_in_the_default_run():
     _Case("h", "mesh_shape1-b", mesh_shape=(4, 2), p="b"),  # a second mesh
     _Case("k__without_jit"),  # a chex variant's un-jitted twin
     _Case("m"),  # not parametrized
+    _Case("n"),  # starts processes: marked by its test
+    _Case("o"),  # an end-to-end run's long version
   ]
+  cases[-2].markers["integration"] = ()
+  cases[-1].markers["slow"] = ()
+  order = [case.nodeid for case in cases]
   conftest.pytest_collection_modifyitems(
     SimpleNamespace(args=["t.py::f"]), cases
   )
+  # the long cases first (xdist hands out cases ahead), the rest in order
+  assert [case.nodeid for case in cases] == order[-2:] + order[:-2]
   tiers = {case.nodeid: _tier(case.markers) for case in cases}
   assert tiers == {
     "t.py::f[mesh_shape0-a]": "fast",
@@ -146,9 +153,18 @@ def test_the_tiers_keep_another_mesh_and_the_eager_twin_in_the_default_run():
     "t.py::h[mesh_shape1-b]": "default",
     "t.py::k__without_jit": "default",
     "t.py::m": "fast",
+    "t.py::n": "default",
+    "t.py::o": "fast",  # -m slow selects it
   }
+  # a case that runs in the worker is ended after 2 minutes, one that
+  # starts processes after pyproject.toml's 5, a slow one after 30
+  timeouts = {case.nodeid: case.markers.get("timeout") for case in cases}
+  assert timeouts.pop("t.py::n") is None
+  assert timeouts.pop("t.py::o") == (1800,)
+  assert set(timeouts.values()) == {(120,)}
   # a repeat is integration too: out of the fast tier as well
-  assert {"repeat", "integration"} <= cases[5].markers
+  (repeat,) = [case for case in cases if case.nodeid == "t.py::g[a-y]"]
+  assert {"repeat", "integration"} <= repeat.markers.keys()
 
 
 def test_xla_optimized_nests_and_restores_the_setting_it_found():
