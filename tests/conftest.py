@@ -419,9 +419,7 @@ def pytest_collection_modifyitems(config, items):
   _start_the_long_cases_first(items, long_cases)
   seen: dict = {}
   for item in items:
-    if item.get_closest_marker("integration") or item.get_closest_marker(
-      "slow"
-    ):
+    if item.nodeid in long_cases:
       continue
     if item.name.endswith("__without_jit"):
       _leave_fast_tier(item)
